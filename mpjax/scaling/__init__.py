@@ -1,0 +1,37 @@
+"""Loss scales and the `loss_scaled` optax wrapper."""
+
+from mpjax.scaling.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+    unscale_tree,
+)
+from mpjax.scaling.loss_scaled import (
+    LossScaledState,
+    find_loss_scaled_state,
+    get_loss_scale,
+    loss_scaled,
+    scale_loss,
+    scaling_metrics,
+    xla_unscale_and_check,
+)
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaledState",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "find_loss_scaled_state",
+    "get_loss_scale",
+    "loss_scaled",
+    "scale_loss",
+    "scaling_metrics",
+    "select_tree",
+    "unscale_tree",
+    "xla_unscale_and_check",
+]

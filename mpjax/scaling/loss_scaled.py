@@ -1,0 +1,337 @@
+"""`loss_scaled`: an optax wrapper with FP32 master weights and loss scaling with skip steps."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpjax.scaling.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    _is_floating,
+    _wide_dtype,
+    all_finite,
+    select_tree,
+)
+
+__all__ = [
+    "LossScaledState",
+    "loss_scaled",
+    "find_loss_scaled_state",
+    "scale_loss",
+    "get_loss_scale",
+    "scaling_metrics",
+]
+
+_MASKED = optax.MaskedNode
+
+
+class LossScaledState(NamedTuple):
+    """State of `loss_scaled`.
+
+    Attributes:
+      inner_state: the inner transformation's state, built on the float32 view of the
+        params (master weights where kept, params widened to float32 elsewhere).
+      master: a tree shaped like the params holding the float32 master copy of each
+        floating param that keeps one, and `optax.MaskedNode()` elsewhere (so a model
+        with float32 params pays no extra memory).
+      loss_scale: the current `LossScale` (a pytree).
+      grads_finite: scalar bool, whether the last step's gradients were all finite.
+      skipped_steps: scalar int32, how many steps were skipped in total.
+      consecutive_skips: scalar int32, how many steps in a row were skipped last.
+    """
+
+    inner_state: Any
+    master: Any
+    loss_scale: LossScale
+    grads_finite: jax.Array
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+
+
+def _keeps_master(p: Any, master_weights: bool | str) -> bool:
+    if not _is_floating(p):
+        return False
+    if master_weights == "auto":
+        return jnp.dtype(p.dtype).itemsize < 4
+    return bool(master_weights)
+
+
+def _wide(x: jax.Array) -> jax.Array:
+    wide = _wide_dtype(x.dtype)
+    return x if x.dtype == wide else x.astype(wide)
+
+
+def _view(params: Any, master: Any) -> Any:
+    """The float32 view the inner optimizer works on; non-floating leaves are masked."""
+
+    def view(p, m):
+        if not _is_floating(p):
+            return _MASKED()
+        return _wide(p) if isinstance(m, _MASKED) else m
+
+    return jax.tree.map(view, params, master)
+
+
+def _path_set(tree: Any) -> set[str]:
+    return {
+        jax.tree_util.keystr(path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    }
+
+
+def _check_same_structure(grads: Any, params: Any) -> None:
+    g_struct, p_struct = jax.tree.structure(grads), jax.tree.structure(params)
+    if g_struct == p_struct:
+        return
+    g_paths, p_paths = _path_set(grads), _path_set(params)
+    only_g = sorted(g_paths - p_paths)[:5]
+    only_p = sorted(p_paths - g_paths)[:5]
+    detail = []
+    if only_g:
+        detail.append(f"in grads only: {only_g}")
+    if only_p:
+        detail.append(f"in params only: {only_p}")
+    if not detail:
+        detail.append(f"grads {g_struct} vs params {p_struct}")
+    raise ValueError(
+        "loss_scaled: the gradient tree does not match the parameter tree; " + "; ".join(detail)
+    )
+
+
+def _check_loss_scale(loss_scale: Any) -> LossScale:
+    if loss_scale is None:
+        return DynamicLossScale()
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            "loss_scaled: loss_scale must be an mpjax LossScale (NoOpLossScale, "
+            f"StaticLossScale, DynamicLossScale) or None, got {type(loss_scale).__name__}"
+        )
+    return loss_scale
+
+
+def xla_unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
+    """Unscales `grads` to float32 and checks them for inf/NaN, with plain XLA ops.
+
+    Args:
+      grads: a pytree of (scaled) gradients.
+      loss_scale: the scalar loss scale.
+
+    Returns:
+      `(unscaled, all_finite)`.
+    """
+    from mpjax.scaling.loss_scale import unscale_tree
+
+    unscaled = unscale_tree(grads, loss_scale)
+    return unscaled, all_finite(unscaled)
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale | None = None,
+    *,
+    master_weights: bool | str = "auto",
+    axis_name: str | tuple[str, ...] | None = None,
+    unscale_and_check: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps `inner` with loss scaling, FP32 master weights and finite-check skip steps.
+
+    `update(grads, state, params, **extra)` takes gradients of the *scaled* loss (see
+    `scale_loss`), unscales them to float32, decides finiteness over all gradients
+    (combined across `axis_name` when given, so every device takes the same decision),
+    and runs `inner` on float32 gradients and the float32 master weights. On a finite
+    step the master is updated and `optax.apply_updates(params, updates)` yields the new
+    master cast to each param's dtype. On a non-finite step the updates are zero and the
+    inner state and master are left bit-identical. The loss scale is adjusted either way.
+
+    Non-floating leaves of the params (ints, bools) are not shown to `inner`; their
+    updates are zeros of their own dtype, so they pass through untouched.
+
+    With `optax.MultiSteps`, nest it as `optax.MultiSteps(loss_scaled(inner), k)`: the
+    scale then stays fixed within an accumulation window and one check covers the
+    accumulated gradients.
+
+    Args:
+      inner: the optax transformation to run on unscaled float32 gradients.
+      loss_scale: a `LossScale`; None means `DynamicLossScale()`.
+      master_weights: "auto" keeps a float32 master copy of each floating param stored
+        below float32; True keeps one for every floating param; False keeps none (low
+        precision params are then widened to float32 for each update and rounded back).
+      axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
+        is combined. The gradients themselves are not averaged here.
+      unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`;
+        None uses plain XLA ops.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
+
+    Example:
+      >>> tx = loss_scaled(optax.adam(1e-3))
+      >>> params = {"w": jnp.ones((3,), jnp.bfloat16)}
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.ones((3,), jnp.bfloat16)}  # grads of scale_loss(loss, state)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "loss_scaled: inner must be an optax GradientTransformation, "
+            f"got {type(inner).__name__}"
+        )
+    if master_weights not in ("auto", True, False):
+        raise ValueError(
+            f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
+        )
+    loss_scale = _check_loss_scale(loss_scale)
+    inner = optax.with_extra_args_support(inner)
+    check = xla_unscale_and_check if unscale_and_check is None else unscale_and_check
+
+    def init_fn(params):
+        master = jax.tree.map(
+            lambda p: _wide(p) if _keeps_master(p, master_weights) else _MASKED(), params
+        )
+        # Copy, so that a master never aliases a float32 param buffer.
+        master = jax.tree.map(lambda m: jnp.array(m, copy=True), master)
+        return LossScaledState(
+            inner_state=inner.init(_view(params, master)),
+            master=master,
+            loss_scale=loss_scale,
+            grads_finite=jnp.array(True),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(grads, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError(
+                "loss_scaled: update needs params (it keeps master weights and returns "
+                "updates that land exactly on them); call tx.update(grads, state, params)"
+            )
+        if not isinstance(state, LossScaledState):
+            raise TypeError(
+                f"loss_scaled: state must be a LossScaledState, got {type(state).__name__}"
+            )
+        _check_same_structure(grads, params)
+
+        unscaled, finite = check(grads, state.loss_scale.loss_scale)
+        finite = jnp.asarray(finite, jnp.bool_)
+        if axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+        view = _view(params, state.master)
+        inner_grads = jax.tree.map(
+            lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
+        )
+        inner_updates, new_inner = inner.update(inner_grads, state.inner_state, view, **extra_args)
+        new_view = jax.tree.map(
+            lambda v, u: v if isinstance(v, _MASKED) else (v + u).astype(v.dtype),
+            view,
+            inner_updates,
+            is_leaf=lambda x: isinstance(x, _MASKED),
+        )
+
+        def new_master_leaf(m, nv):
+            return m if isinstance(m, _MASKED) else jnp.where(finite, nv, m)
+
+        new_master = jax.tree.map(
+            new_master_leaf, state.master, new_view, is_leaf=lambda x: isinstance(x, _MASKED)
+        )
+
+        def param_update(p, u, nv):
+            if not _is_floating(p):
+                return jnp.zeros_like(p)
+            wide = _wide_dtype(p.dtype)
+            if p.dtype == wide:
+                # No rounding: p + u is the new value itself.
+                step = u.astype(wide)
+            else:
+                step = nv.astype(p.dtype).astype(wide) - p.astype(wide)
+            return jnp.where(finite, step, jnp.zeros_like(step))
+
+        updates = jax.tree.map(
+            param_update,
+            params,
+            inner_updates,
+            new_view,
+            is_leaf=lambda x: isinstance(x, _MASKED),
+        )
+        new_inner = select_tree(finite, new_inner, state.inner_state)
+        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        new_state = LossScaledState(
+            inner_state=new_inner,
+            master=new_master,
+            loss_scale=state.loss_scale.adjust(finite),
+            grads_finite=finite,
+            skipped_steps=state.skipped_steps + skipped,
+            consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32),
+        )
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unwrap(x: Any) -> Any:
+    """Unwraps flax.nnx Variables (nnx.Optimizer stores opt_state leaves in them)."""
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return x
+    if isinstance(x, nnx.Variable):
+        return x.get_value() if hasattr(x, "get_value") else x.value
+    return x
+
+
+def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
+    """Finds the one `LossScaledState` anywhere in an optimizer state tree.
+
+    Works through `optax.chain`, `optax.MultiSteps`, flax `TrainState.opt_state` and
+    `flax.nnx.Optimizer.opt_state`.
+
+    Raises:
+      ValueError: if there is none, or more than one.
+    """
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
+        if isinstance(x, LossScaledState)
+    ]
+    if not found:
+        raise ValueError(
+            "no mpjax.loss_scaled state found in this optimizer state "
+            f"({type(opt_state).__name__}); build the optimizer with mpjax.loss_scaled(...)"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"{len(found)} mpjax.loss_scaled states found in this optimizer state; "
+            "pass the sub-state of the one you mean"
+        )
+    return jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """Returns the current `LossScale` held anywhere in `opt_state`."""
+    return find_loss_scaled_state(opt_state).loss_scale
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """Multiplies `loss` by the current loss scale of `opt_state`, in float32.
+
+    Example:
+      >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p), opt_state))(params)
+    """
+    return get_loss_scale(opt_state).scale(loss)
+
+
+def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
+    """Scalar arrays ready to log: `loss_scale`, `grads_finite`, `skipped_steps`,
+    `consecutive_skips`."""
+    state = find_loss_scaled_state(opt_state)
+    return {
+        "loss_scale": state.loss_scale.loss_scale,
+        "grads_finite": state.grads_finite,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+    }
