@@ -1,0 +1,17 @@
+"""Test set-up: 8 simulated CPU devices (set before jax is imported) and a fixed hypothesis profile."""
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "mpjax",
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("mpjax")
