@@ -246,3 +246,31 @@ def test_update_with_state_of_another_optimizer_names_the_type():
     other = optax.adam(1e-2).init(params)
     with pytest.raises(TypeError, match="state must be a LossScaledState, got tuple"):
         tx.update(params, other, params)
+
+
+# --- Cases the current implementation lets through (see the commit message) -------------------
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("backoff_factor", 1 - 1e-9), ("growth_factor", 1 + 1e-9)],
+)
+def test_factor_that_is_one_in_float32_refused(name, value):
+    """The scale is computed in float32: a factor that rounds to 1.0 there would never back off
+    (or never grow), however valid it looks as a Python float."""
+    assert np.float32(value) == 1.0
+    with pytest.raises(ValueError, match=f"DynamicLossScale: {name}"):
+        DynamicLossScale(**{name: value})
+
+
+@pytest.mark.parametrize("grad_shape", [(1,), (3, 1), (2,), ()])
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_grad_leaf_of_another_shape_names_the_leaf(grad_shape, inner):
+    """Same tree structure, one gradient of the wrong shape: an error naming the leaf, not a
+    silent broadcast into the master weights and optimizer state."""
+    params = {"w": jnp.ones((3,), jnp.bfloat16), "b": jnp.ones((2,), jnp.float32)}
+    tx = loss_scaled(optax.sgd(0.1) if inner == "sgd" else optax.adam(0.1))
+    state = tx.init(params)
+    grads = {"w": jnp.ones(grad_shape, jnp.bfloat16), "b": jnp.ones((2,), jnp.float32)}
+    with pytest.raises(ValueError, match=r"\['w'\].*shape"):
+        tx.update(grads, state, params)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -367,8 +368,8 @@ def _check_invariants(case: Case, params0, state0, out_params, out_state):
             _assert_bits_equal(inner_t, prev_inner, f"inner state changed on skipped step {t}")
             _assert_bits_equal(master_t, prev_master, f"master changed on skipped step {t}")
             _assert_bits_equal(params_t, prev_params, f"params changed on skipped step {t}")
-        for k in NAMES:  # every param stored below float32 sits exactly on its master
-            if _keeps_master(setup, dtypes[k]) and dtypes[k].itemsize < 4:
+        for k in NAMES:  # every param that keeps a master sits exactly on it
+            if _keeps_master(setup, dtypes[k]):
                 p, m = _flat(params_t)[k], _flat(master_t)[k]
                 assert np.array_equal(_bits(p), _bits(np.asarray(m).astype(dtypes[k])))
         prev_params, prev_inner, prev_master = params_t, inner_t, master_t
@@ -518,3 +519,47 @@ def test_nonfinite_report_counts_match_numpy(dtypes, seed, faults):
     assert report.offenders() == expected
     assert bool(report.any_nonfinite) == bool(expected)
     assert bool(finite) == (not expected)
+
+
+# --- Deterministic cases of the invariants above that the current implementation breaks ---------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("master_weights", ["auto", True, False])
+def test_finite_gradients_never_make_params_or_master_non_finite(dtype, master_weights):
+    """A step whose gradients are finite may still overflow the new value (a param near the top
+    of its dtype's range, a large step): params and master weights must stay finite regardless."""
+    top = float(jnp.finfo(dtype).max)
+    params = {"w": jnp.asarray([top * 0.99, 1.0, -top * 0.99], dtype)}
+    grads = {"w": jnp.asarray([-top / 4, 0.5, top / 4], dtype)}  # finite, unscaled (scale 1)
+    tx = loss_scaled(optax.sgd(1.0), StaticLossScale(1.0), master_weights=master_weights)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    assert np.all(np.isfinite(np.asarray(new["w"], np.float32))), new["w"]
+    for leaf in jax.tree.leaves(state.master):
+        assert np.all(np.isfinite(np.asarray(leaf))), leaf
+
+
+def test_float32_params_with_master_weights_land_exactly_on_the_master():
+    """master_weights=True keeps a float32 master of float32 params too; the params the model
+    uses must stay bit-identical to it (as they do for half-precision params)."""
+    rng = np.random.default_rng(0)
+    shapes = [(), (1,), (2,), (3,), (5,), (64,)]
+    params = {f"w{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
+    grads_seq = [
+        {k: jnp.asarray(rng.normal(size=v.shape), jnp.float32) for k, v in params.items()}
+        for _ in range(40)
+    ]
+    tx = loss_scaled(optax.adam(0.1), StaticLossScale(1.0), master_weights=True)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for grads in grads_seq:
+        params, state = step(params, state, grads)
+    for k in params:
+        assert np.array_equal(np.asarray(params[k]), np.asarray(state.master[k])), k
