@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 import mpjax
@@ -74,21 +74,19 @@ class Setup:
     inner: str
 
 
-# Each loss-scale config with two master settings, the dtype sets rotating through.
+# Every loss-scale config (dynamic ones with two master settings), the dtype sets rotating through.
 SGD_SETUPS = tuple(
     Setup(DTYPE_SETS[(2 * j + m) % len(DTYPE_SETS)], MASTERS[(j + m) % len(MASTERS)], ls, "sgd")
     for j, ls in enumerate(LS_KEYS)
-    for m in range(2)
+    for m in range(2 if ls[0] == "dynamic" else 1)
 )
-STATEFUL_SETUPS = tuple(
-    Setup(
-        DTYPE_SETS[(3 * i + j) % len(DTYPE_SETS)],
-        MASTERS[(i + j) % len(MASTERS)],
-        LS_KEYS[(3 * i + j) % len(LS_KEYS)],
-        inner,
-    )
-    for i, inner in enumerate(("momentum", "adam", "clip_adamw"))
-    for j in range(3)
+STATEFUL_SETUPS = (
+    Setup(DTYPE_SETS[0], "auto", LS_KEYS[2], "momentum"),
+    Setup(DTYPE_SETS[4], False, LS_KEYS[1], "momentum"),
+    Setup(DTYPE_SETS[3], True, LS_KEYS[3], "adam"),
+    Setup(DTYPE_SETS[1], "auto", LS_KEYS[5], "adam"),
+    Setup(DTYPE_SETS[5], True, LS_KEYS[4], "clip_adamw"),
+    Setup(DTYPE_SETS[2], False, LS_KEYS[0], "clip_adamw"),
 )
 
 
@@ -174,7 +172,7 @@ class Case:
     scale0: float
     counter0: int
     seed: int
-    magnitudes: tuple  # per step: how large the true gradients are
+    magnitudes: tuple  # per step: how large the true gradients are (0: all zero)
     faults: tuple  # per step: a tuple of (leaf, position, value)
 
 
@@ -210,7 +208,9 @@ def cases(draw, setups):
         scale0=scale0,
         counter0=counter0,
         seed=draw(st.integers(0, 2**32 - 1)),
-        magnitudes=tuple(draw(st.lists(st.sampled_from((1e-2, 1.0, 1e2)), min_size=T, max_size=T))),
+        magnitudes=tuple(
+            draw(st.lists(st.sampled_from((1e-2, 1.0, 1e2, 0.0)), min_size=T, max_size=T))
+        ),
         faults=tuple(_step_faults(draw, density) for _ in range(T)),
     )
 
@@ -389,6 +389,9 @@ def _coverage_events(case: Case, records) -> None:
             event("scale reached min_scale")
         if hi is not None and max(scales) == np.float32(hi):
             event("scale reached max_scale")
+        with np.errstate(over="ignore"):
+            if hi is None and not np.isfinite(max(scales) * np.float32(case.setup.ls[2])):
+                event("growth would have overflowed float32")
 
 
 def _check_counters_against_reference(case: Case, out_state, records):
@@ -403,8 +406,20 @@ def _check_counters_against_reference(case: Case, out_state, records):
             assert int(out_state.loss_scale.counter[t]) == rec["counter"], t
 
 
-@settings(max_examples=420)
+# A scale at the top of float32 and all-zero gradients: growth would overflow to inf.
+GROWTH_OVERFLOW_CASE = Case(
+    setup=next(s for s in SGD_SETUPS if s.ls[0] == "dynamic" and s.ls[5] is None),
+    scale0=F32_MAX,
+    counter0=0,
+    seed=0,
+    magnitudes=(0.0,) * T,
+    faults=((),) * T,
+)
+
+
+@settings(max_examples=400)
 @given(case=cases(SGD_SETUPS))
+@example(case=GROWTH_OVERFLOW_CASE)
 def test_sgd_trajectory_equals_reference_model_and_invariants_hold(case):
     params0, true_grads, masks, values, state0, out_params, out_state = _run(case)
     records = reference_model(case, params0, true_grads, masks, values)
@@ -428,7 +443,7 @@ def _counts(inner_state) -> list[int]:
     ]
 
 
-@settings(max_examples=250)
+@settings(max_examples=200)
 @given(case=cases(STATEFUL_SETUPS))
 def test_stateful_inner_untouched_on_skips_and_invariants_hold(case):
     params0, true_grads, masks, values, state0, out_params, out_state = _run(case)
@@ -448,7 +463,8 @@ def test_stateful_inner_untouched_on_skips_and_invariants_hold(case):
 def dynamic_configs(draw):
     lo = draw(st.one_of(st.just(F32_TINY), st.floats(F32_TINY, 1e4)))
     hi = draw(st.one_of(st.none(), st.just(F32_MAX), st.floats(lo, F32_MAX)))
-    initial = draw(st.one_of(st.just(lo), st.floats(lo, F32_MAX if hi is None else hi)))
+    top = F32_MAX if hi is None else hi
+    initial = draw(st.one_of(st.sampled_from((lo, top)), st.floats(lo, top)))
     return dict(
         initial_scale=initial,
         growth_interval=draw(st.integers(1, 6)),
@@ -459,10 +475,21 @@ def dynamic_configs(draw):
     )
 
 
-@settings(max_examples=200)
+@settings(max_examples=260)
 @given(
     cfg=dynamic_configs(),
     finite_seq=st.lists(st.booleans(), min_size=1, max_size=24),
+)
+@example(  # growth without a cap would overflow float32
+    cfg=dict(
+        initial_scale=F32_MAX / 3,
+        growth_interval=2,
+        growth_factor=4.0,
+        backoff_factor=0.5,
+        min_scale=1.0,
+        max_scale=None,
+    ),
+    finite_seq=[True, True, False, True, True, True],
 )
 def test_adjust_random_config_matches_float32_reference_and_stays_in_bounds(cfg, finite_seq):
     ls = DynamicLossScale(**cfg)
@@ -475,7 +502,11 @@ def test_adjust_random_config_matches_float32_reference_and_stays_in_bounds(cfg,
             if finite:
                 counter += 1
                 if counter >= cfg["growth_interval"]:
-                    grown = min(scale * np.float32(cfg["growth_factor"]), hi)
+                    grown = scale * np.float32(cfg["growth_factor"])
+                    if cfg["max_scale"] is not None:
+                        grown = min(grown, hi)
+                    if not np.isfinite(grown):
+                        event("growth would have overflowed float32")
                     scale = grown if np.isfinite(grown) else scale
                     counter = 0
             else:
@@ -496,7 +527,7 @@ def _report_fn():
     return jax.jit(lambda tree: (mpjax.nonfinite_report(tree), mpjax.all_finite(tree)))
 
 
-@settings(max_examples=150)
+@settings(max_examples=160)
 @given(
     dtypes=st.sampled_from(REPORT_DTYPES),
     seed=st.integers(0, 2**32 - 1),
