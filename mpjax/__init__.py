@@ -1,6 +1,6 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax.policy import Policy, get_policy
+from mpjax.policy import DEFAULTS, NO_DEFAULTS, Defaults, Policy, apply_policy, get_policy
 from mpjax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -18,6 +18,9 @@ from mpjax.scaling import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULTS",
+    "Defaults",
+    "NO_DEFAULTS",
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
@@ -25,6 +28,7 @@ __all__ = [
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "apply_policy",
     "get_loss_scale",
     "get_policy",
     "loss_scaled",

@@ -20,6 +20,7 @@ of `init` itself uses them as created.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -32,9 +33,19 @@ from flax.linen.module import TestScope
 
 from mpjax.policy.defaults import DEFAULTS, Defaults
 from mpjax.policy.policy import cast_floating
-from mpjax.policy.rules import Resolved, Rules, parse_rules, resolve
+from mpjax.policy.rules import Resolved, Rules, field_overrides, parse_rules, resolve
 
-__all__ = ["PolicyModule", "apply_linen_policy", "float32_softmax_attention"]
+__all__ = [
+    "PolicyModule",
+    "apply_linen_policy",
+    "float32_softmax_attention",
+    "linen_module_policies",
+]
+
+# Set only by `linen_module_policies`: a dict the interceptor records resolutions into.
+_RECORDER: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "mpjax_linen_policy_recorder", default=None
+)
 
 
 def float32_softmax_attention(
@@ -93,6 +104,11 @@ def float32_softmax_attention(
     return attn_weights_value_einsum("...hqk,...khd->...qhd", weights, value)
 
 
+def _changed(new: Any, old: Any) -> bool:
+    """Whether `cast_floating` replaced any leaf (it returns unchanged leaves as they are)."""
+    return any(a is not b for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True))
+
+
 def _own_cast(collection: Mapping, dtype) -> dict | None:
     """A copy of `collection` with its own (non-submodule) leaves cast, or None if unchanged.
 
@@ -104,9 +120,7 @@ def _own_cast(collection: Mapping, dtype) -> dict | None:
             out[name] = value
             continue
         cast = cast_floating(value, dtype)
-        changed |= cast is not value and any(
-            a is not b for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(value))
-        )
+        changed |= _changed(cast, value)
         out[name] = cast
     return out if changed else None
 
@@ -152,9 +166,13 @@ class _Interceptor:
                     if path[:k] in self.by_path:
                         parent = self.by_path[path[:k]]
                         break
-        res = resolve(self.rules, self.defaults, type(module), "/".join(path), parent, is_root)
+        text = "/".join(path)
+        res = resolve(self.rules, self.defaults, type(module), text, parent, is_root)
         self.resolved[key] = res
         self.by_path[path] = res
+        recorder = _RECORDER.get()
+        if recorder is not None and res is not None:
+            recorder[text] = res.policy
         return res
 
     def cast_params_to_compute(self, module: nn.Module, res: Resolved) -> None:
@@ -179,7 +197,7 @@ class _Interceptor:
             if isinstance(value, Mapping):
                 continue
             cast = cast_floating(value, res.policy.param_dtype)
-            if any(a is not b for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(value))):
+            if _changed(cast, value):
                 scope.put_variable("params", name, cast)
 
     def __call__(self, next_fun, args, kwargs, context):
@@ -205,20 +223,19 @@ class _Interceptor:
             self.cast_params_to_compute(module, res)
         if external:
             args, kwargs = cast_floating((args, kwargs), res.policy.compute_dtype)
-        swapped = (
-            external
-            and res.float32_softmax
-            and getattr(module, "attention_fn", None) is nn.dot_product_attention
+        overrides = field_overrides(
+            module if external else None,
+            res.policy.compute_dtype,
+            res.float32_softmax,
+            nn.dot_product_attention,
+            float32_softmax_attention,
         )
-        if swapped:
-            object.__setattr__(module, "attention_fn", float32_softmax_attention)
         self.stack.append(module)
         try:
-            out = next_fun(*args, **kwargs)
+            with overrides:
+                out = next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
-            if swapped:
-                object.__setattr__(module, "attention_fn", nn.dot_product_attention)
         self.cast_params_to_param_dtype(module, res)
         if external:
             out = cast_floating(out, res.policy.output_dtype)
@@ -255,7 +272,10 @@ class PolicyModule(nn.Module):
         return self.policy_call(None, args, kwargs)
 
     def policy_call(self, method: Any, args: tuple, kwargs: dict) -> Any:
-        """Calls `method` (None: `__call__`; a name; or a function of the module) under the policy."""
+        """Calls `method` of the wrapped module under the policy.
+
+        `method` is None (`__call__`), a method name, or a function taking the module.
+        """
         inner = self.module
         with nn.intercept_methods(_Interceptor(self.rules, self.defaults, inner)):
             if method is None:
@@ -308,3 +328,33 @@ def apply_linen_policy(
     if not isinstance(defaults, Defaults):
         raise TypeError(f"defaults must be a mpjax Defaults, got {type(defaults).__name__}")
     return PolicyModule(module, parse_rules(policy, nn.Module), defaults)
+
+
+def linen_module_policies(
+    model: PolicyModule, variables: Any, *args, method: Any = None, **kwargs
+) -> dict[str, Any]:
+    """The effective policy of every module a call of `model` runs, by path.
+
+    Traces `model.apply(variables, *args, method=method, **kwargs)` abstractly (no
+    computation) and records what each covered module resolved to.
+
+    Args:
+      model: a `PolicyModule` from `apply_policy`.
+      variables: its variables (arrays or `jax.ShapeDtypeStruct`s).
+      *args: the call's arguments.
+      method: as for `apply`.
+      **kwargs: the call's keyword arguments (e.g. `mutable=`, `rngs=`).
+
+    Returns:
+      `{path: Policy}` (`""` is the root).
+    """
+    if not isinstance(model, PolicyModule):
+        raise TypeError(f"expected a PolicyModule from apply_policy, got {type(model).__name__}")
+    record: dict[str, Any] = {}
+    token = _RECORDER.set(record)
+    try:
+        run = lambda v, a, k: model.apply(v, *a, method=method, **k)
+        jax.eval_shape(run, variables, args, kwargs)
+    finally:
+        _RECORDER.reset(token)
+    return record

@@ -19,6 +19,7 @@ Then the `Defaults` lists adjust low-precision policies (see `defaults.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ import numpy as np
 from mpjax.policy.defaults import Defaults
 from mpjax.policy.policy import Policy, get_policy
 
-__all__ = ["Resolved", "Rule", "Rules", "parse_rules", "resolve"]
+__all__ = ["Resolved", "Rule", "Rules", "field_overrides", "parse_rules", "resolve"]
 
 DEFAULT_SELECTOR = "*"
 
@@ -253,3 +254,48 @@ def resolve(
         if wide != policy.output_dtype:
             policy = dataclasses.replace(policy, output_dtype=wide)
     return Resolved(policy, base, softmax, rule, own)
+
+
+def _is_compute_dtype_field(value: Any) -> bool:
+    if value is None:
+        return True
+    try:
+        return jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+        return False
+
+
+@contextlib.contextmanager
+def field_overrides(module, compute_dtype, float32_softmax, default_attention, f32_attention):
+    """Temporarily sets a module's dtype-related fields for one call, then restores them.
+
+    - `dtype` (Flax's "dtype of the computation"), when it is None or a floating dtype,
+      is set to `compute_dtype`, so built-in layers promote to it (NNX layers such as
+      `Embed` fix it at construction; an explicit `dtype=` would otherwise win);
+    - `attention_fn`, when `float32_softmax` and it is Flax's default, is replaced by
+      the float32-softmax variant.
+
+    Args:
+      module: the module (its fields are set with `object.__setattr__`, as Flax itself
+        does for frozen linen modules); None for no overrides.
+      compute_dtype: the module's compute dtype.
+      float32_softmax: whether to swap the attention function.
+      default_attention: the framework's default attention function.
+      f32_attention: its float32-softmax replacement.
+    """
+    changes = []
+    if module is not None:
+        if hasattr(module, "dtype") and _is_compute_dtype_field(module.dtype):
+            changes.append(("dtype", compute_dtype))
+        if float32_softmax and getattr(module, "attention_fn", None) is default_attention:
+            changes.append(("attention_fn", f32_attention))
+    saved = [(name, module.__dict__[name]) for name, _ in changes if name in module.__dict__]
+    try:
+        for name, value in changes:
+            object.__setattr__(module, name, value)
+        yield
+    finally:
+        for name, _ in changes:
+            object.__delattr__(module, name)
+        for name, value in saved:
+            object.__setattr__(module, name, value)
