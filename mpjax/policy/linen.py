@@ -341,7 +341,7 @@ def linen_module_policies(
     Args:
       model: a `PolicyModule` from `apply_policy`.
       variables: its variables (arrays or `jax.ShapeDtypeStruct`s).
-      *args: the call's arguments.
+      *args: the call's arguments (concrete values: they are closed over).
       method: as for `apply`.
       **kwargs: the call's keyword arguments (e.g. `mutable=`, `rngs=`).
 
@@ -353,8 +353,7 @@ def linen_module_policies(
     record: dict[str, Any] = {}
     token = _RECORDER.set(record)
     try:
-        run = lambda v, a, k: model.apply(v, *a, method=method, **k)
-        jax.eval_shape(run, variables, args, kwargs)
+        jax.eval_shape(lambda v: model.apply(v, *args, method=method, **kwargs), variables)
     finally:
         _RECORDER.reset(token)
     return record
