@@ -11,7 +11,9 @@ and reports:
   counted twice when XLA duplicates one into two fusions;
 - materialized/param (optimized): of those, the ones whose result is written to memory
   (a fusion root or an unfused instruction), i.e. compute-dtype copies of a parameter;
-- temp memory of bf16 / float32 from `compiled.memory_analysis().temp_size_in_bytes`.
+- temp memory of bf16 / float32 from `compiled.memory_analysis().temp_size_in_bytes`;
+- residual ratio: bytes `jax.vjp` saves for the backward pass, bf16 / float32 (before
+  XLA, so independent of the backend's bf16 support).
 
 Targets from the issue: casts per parameter <= 1, temp memory ratio <= 0.55.
 Run: `python benchmarks/policy_cost.py [--quick]`.
@@ -164,7 +166,7 @@ class TransformerBlock(nn.Module):
         return nn.Dense(self.classes)(nn.LayerNorm()(x))
 
 
-def _compile_grad(model, variables, x, mutable):
+def _loss(model, variables, x, mutable):
     def loss(params):
         v = dict(variables, params=params)
         if mutable:
@@ -173,8 +175,19 @@ def _compile_grad(model, variables, x, mutable):
             logits = model.apply(v, x)
         return jnp.mean(logits.astype(jnp.float32) ** 2)
 
-    lowered = jax.jit(jax.grad(loss)).lower(variables["params"])
+    return loss
+
+
+def _compile_grad(model, variables, x, mutable):
+    lowered = jax.jit(jax.grad(_loss(model, variables, x, mutable))).lower(variables["params"])
     return lowered, lowered.compile()
+
+
+def residual_bytes(model, variables, x, mutable) -> int:
+    """Bytes `jax.vjp` keeps for the backward pass (before XLA), a backend-free memory proxy."""
+    loss = _loss(model, variables, x, mutable)
+    vjp = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], variables["params"])
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(vjp))
 
 
 def _measure(name, model, x, mutable, policy):
@@ -188,6 +201,8 @@ def _measure(name, model, x, mutable, policy):
     opt = param_casts(compiled.as_text(), num, narrow)
     temp_mp = compiled.memory_analysis().temp_size_in_bytes
     temp_ref = ref.memory_analysis().temp_size_in_bytes
+    res_ref = residual_bytes(model, variables, x, mutable)
+    res_mp = residual_bytes(wrapped, variables, x, mutable)
     return [
         name,
         num,
@@ -199,6 +214,7 @@ def _measure(name, model, x, mutable, policy):
         temp_ref,
         temp_mp,
         round(temp_mp / temp_ref, 3),
+        round(res_mp / res_ref, 3),
     ]
 
 
@@ -229,6 +245,7 @@ def run(quick: bool = False) -> dict:
             "temp bytes f32",
             "temp bytes bf16",
             "temp ratio",
+            "residual ratio",
         ],
         "rows": rows,
         "notes": (
@@ -236,7 +253,8 @@ def run(quick: bool = False) -> dict:
             "Casts are narrowing converts (f32->bf16) whose operand is a parameter. On CPU, "
             "XLA emulates bf16 arithmetic in f32 (extra converts, f32 temporaries) and may "
             "re-inline a cast into several consumer fusions, so optimized-HLO counts and "
-            "temp memory there do not reflect GPU/TPU behaviour."
+            "temp memory there do not reflect GPU/TPU behaviour; the residual ratio does not "
+            "depend on the backend."
         ),
     }
 

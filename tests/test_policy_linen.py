@@ -22,6 +22,7 @@ from flax import nnx
 
 import mpjax
 from mpjax.policy import linen_module_policies
+from mpjax.policy.linen import float32_softmax_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.policy_cost import param_casts  # noqa: E402
@@ -373,3 +374,38 @@ def test_nested_policy_modules_are_refused():
     x = jnp.ones((2, 8))
     with pytest.raises(ValueError, match="inside another"):
         mpjax.apply_policy(Outer(), "float32").init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_float32_softmax_attention_matches_flax(mask):
+    k = jax.random.split(jax.random.key(2), 4)
+    q, kk, v = (jax.random.normal(k[i], (2, 5, 2, 4)) for i in range(3))
+    m = jax.random.bernoulli(k[3], 0.8, (2, 1, 5, 5)) if mask else None
+    kwargs = dict(mask=m, dropout_rate=0.3, dropout_rng=jax.random.key(7), deterministic=False)
+    ours = float32_softmax_attention(q, kk, v, **kwargs)
+    chex.assert_trees_all_close(ours, nn.dot_product_attention(q, kk, v, **kwargs), rtol=1e-5)
+    kwargs["deterministic"] = True  # float64 would draw other dropout masks
+    low = float32_softmax_attention(*(a.astype(jnp.bfloat16) for a in (q, kk, v)), **kwargs)
+    assert low.dtype == jnp.bfloat16
+    with jax.enable_x64(True):
+        ref = nn.dot_product_attention(
+            *(np.asarray(a.astype(jnp.bfloat16), np.float64) for a in (q, kk, v)), **kwargs
+        )
+    assert rel_error(low, ref) < TOL["bfloat16"]
+
+
+class CustomAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        attn = nn.MultiHeadDotProductAttention(
+            num_heads=2, attention_fn=lambda q, k, v, **kw: nn.dot_product_attention(q, k, v)
+        )
+        return attn(x)
+
+
+def test_user_attention_fn_is_left_alone():
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    wrapped = mpjax.apply_policy(CustomAttention(), mixed("bfloat16"))
+    variables = wrapped.init(jax.random.key(0), x)
+    closed = make_jaxpr(wrapped.apply, variables, x)
+    assert {in_dtypes(e)[0].name for e in eqns(closed.jaxpr, "exp")} == {"bfloat16"}
