@@ -8,7 +8,9 @@ of a covered module, coming from outside that module:
 - on the module's first call in an `apply`, its own parameters are cast to its
   compute dtype once (and the cast values reused by every later call in that apply,
   so a tied embedding is cast once per step);
-- floating inputs are cast to the compute dtype, floating outputs to the output dtype;
+- floating inputs are cast to the compute dtype, floating outputs to the output dtype,
+  and a `dtype` field (Flax's computation dtype) is set to the compute dtype for the
+  call, so an explicit `dtype=` on a layer does not override the policy;
 - attention modules in `Defaults.float32_softmax_modules` that use Flax's default
   `attention_fn` run `float32_softmax_attention` instead (softmax in float32, both
   matmuls on compute-dtype operands).
@@ -176,6 +178,14 @@ class _Interceptor:
         return res
 
     def cast_params_to_compute(self, module: nn.Module, res: Resolved) -> None:
+        """Gives the module's scope a view of its own params cast to the compute dtype.
+
+        Flax has no public hook for this, so it replaces the scope's `params` entry
+        (`Scope._variables`, a per-scope dict that rewound copies of the scope share,
+        which is what makes the cast once per apply). Only done when `params` is
+        immutable, so nothing cast is ever written back; Flax is pinned below 0.13 and
+        the dtype tests fail if this stops working.
+        """
         scope = module.scope
         if scope.is_mutable_collection("params"):
             return

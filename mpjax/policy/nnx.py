@@ -6,11 +6,14 @@ module a policy-aware class: a subclass of its own class (same name, `isinstance
 still holds) whose public methods, when called from outside the module,
 
 - cast floating inputs to the module's compute dtype and floating outputs to its
-  output dtype;
+  output dtype, and set a `dtype` attribute (Flax's computation dtype; NNX layers such
+  as `Embed` fix it at construction) to the compute dtype for the call;
 - on the outermost policy-aware call (e.g. `model(x)` in a train step) cast every
   `nnx.Param` of the called subtree to its owning module's compute dtype once, run,
   and restore the original values afterwards, so a parameter used twice (tied
-  embeddings) is cast once per step and gradients reach the stored parameters;
+  embeddings) is cast once per step and gradients reach the stored parameters
+  (parameters are therefore not meant to be assigned inside a call; optimizers
+  update them between calls);
 - for attention modules in `Defaults.float32_softmax_modules` that use Flax's default
   `attention_fn`, run `float32_softmax_attention` (softmax in float32).
 

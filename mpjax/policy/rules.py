@@ -15,6 +15,8 @@ Resolution for one module (most specific wins):
 3. else its parent's policy (a policy on a parent covers children without a rule);
 4. else, for the root, the `"*"` rule; else the module is left untouched.
 Then the `Defaults` lists adjust low-precision policies (see `defaults.py`).
+`field_overrides` is how the linen and NNX integrations apply a resolved policy to a
+module's own dtype-related fields during one call.
 """
 
 from __future__ import annotations
