@@ -190,11 +190,11 @@ def residual_bytes(model, variables, x, mutable) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(vjp))
 
 
-def _measure(name, model, x, mutable, policy):
+def _measure(name, model, x, mutable, policy, defaults=mpjax.DEFAULTS):
     variables = model.init(jax.random.key(0), x)
     num = len(jax.tree.leaves(variables["params"]))
     _, ref = _compile_grad(model, variables, x, mutable)
-    wrapped = mpjax.apply_policy(model, policy)
+    wrapped = mpjax.apply_policy(model, policy, defaults=defaults)
     lowered, compiled = _compile_grad(wrapped, variables, x, mutable)
     narrow = {"bfloat16": "bf16", "float16": "f16"}[mpjax.get_policy(policy).compute_dtype.name]
     low = param_casts(lowered.as_text(dialect="hlo"), num, narrow)
@@ -231,6 +231,14 @@ def run(quick: bool = False) -> dict:
     rows = [
         _measure("resnet", cnn, jax.random.normal(key, cnn_x), ["batch_stats"], policy),
         _measure("transformer", tfm, jax.random.normal(key, tfm_x), None, policy),
+        _measure(
+            "transformer, NO_DEFAULTS",
+            tfm,
+            jax.random.normal(key, tfm_x),
+            None,
+            policy,
+            mpjax.NO_DEFAULTS,
+        ),
     ]
     return {
         "title": f"bf16 policy ({policy}) vs float32: forward+backward HLO",
@@ -254,7 +262,8 @@ def run(quick: bool = False) -> dict:
             "XLA emulates bf16 arithmetic in f32 (extra converts, f32 temporaries) and may "
             "re-inline a cast into several consumer fusions, so optimized-HLO counts and "
             "temp memory there do not reflect GPU/TPU behaviour; the residual ratio does not "
-            "depend on the backend."
+            "depend on the backend. NO_DEFAULTS: softmax and LayerNorm follow the bf16 policy "
+            "(Flax still reduces norm statistics in f32)."
         ),
     }
 

@@ -343,3 +343,48 @@ def test_user_module_raw_params_and_plain_jax_jit():
     y2 = jax.jit(lambda m, x: m(x))(model, x)
     chex.assert_trees_all_close(y1, y2)
     assert model.w[...].dtype == F32 and isinstance(model.w[...], jax.Array)
+
+
+class ScanBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+        self.ln = nnx.LayerNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.lin(self.ln(x))
+
+
+class Stacked(nnx.Module):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return ScanBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return nnx.remat(lambda b, x: b(x))(block, x)
+
+        return self.head(body(x, self.blocks))
+
+
+def test_scan_and_remat_over_stacked_layers():
+    model = mpjax.apply_policy(Stacked(nnx.Rngs(0)), mixed("bfloat16"))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
+
+    closed = jax.make_jaxpr(jax.grad(loss))(state)
+    bf = jnp.dtype(jnp.bfloat16)
+    mm = matmul_dtypes(closed.jaxpr)
+    assert len(mm) >= 4 and all(d == (bf, bf) for d in mm), mm
+    assert all(in_dtypes(e) == (F32,) for e in eqns(closed.jaxpr, "rsqrt"))
+    grads = nnx.jit(nnx.grad(lambda m: jnp.mean(m(x) ** 2)))(model)
+    assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+    assert jax.tree.leaves(grads)[0].shape[0] == 3  # stacked layer grads
