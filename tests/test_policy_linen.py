@@ -409,3 +409,16 @@ def test_user_attention_fn_is_left_alone():
     variables = wrapped.init(jax.random.key(0), x)
     closed = make_jaxpr(wrapped.apply, variables, x)
     assert {in_dtypes(e)[0].name for e in eqns(closed.jaxpr, "exp")} == {"bfloat16"}
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_non_finite_inputs_propagate_like_float32(bad):
+    x = jax.random.normal(jax.random.key(3), (5, 8))
+    x = x.at[0, 0].set(bad).at[2, 4].set(bad).at[4, 7].set(bad)  # first, middle, last
+    wrapped = mpjax.apply_policy(Net(), mixed("bfloat16"))
+    variables = Net().init(jax.random.key(0), x)
+    out = jax.jit(wrapped.apply)(variables, x)
+    ref = Net().apply(variables, x)
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref))
+    finite = np.isfinite(np.asarray(out)).all(axis=1)
+    np.testing.assert_array_equal(finite, [False, True, False, True, False])

@@ -388,3 +388,15 @@ def test_scan_and_remat_over_stacked_layers():
     grads = nnx.jit(nnx.grad(lambda m: jnp.mean(m(x) ** 2)))(model)
     assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
     assert jax.tree.leaves(grads)[0].shape[0] == 3  # stacked layer grads
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_non_finite_inputs_propagate_like_float32(bad):
+    x = jax.random.normal(jax.random.key(3), (5, 8))
+    x = x.at[0, 0].set(bad).at[2, 4].set(bad).at[4, 7].set(bad)  # first, middle, last
+    plain = Net(nnx.Rngs(0))
+    ref = plain(x)
+    out = nnx.jit(lambda m, x: m(x))(mpjax.apply_policy(plain, mixed("bfloat16")), x)
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref))
+    finite = np.isfinite(np.asarray(out)).all(axis=1)
+    np.testing.assert_array_equal(finite, [False, True, False, True, False])
