@@ -1,7 +1,7 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
 from mpjax import policy, scaling
-from mpjax.policy import Policy, get_policy
+from mpjax.policy import DEFAULTS, NO_DEFAULTS, Defaults, Policy, apply_policy, get_policy
 from mpjax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -22,6 +22,9 @@ from mpjax.scaling import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULTS",
+    "Defaults",
+    "NO_DEFAULTS",
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
@@ -30,6 +33,7 @@ __all__ = [
     "StaticLossScale",
     "TrainingDivergedError",
     "all_finite",
+    "apply_policy",
     "find_loss_scaled_state",
     "get_loss_scale",
     "get_policy",
