@@ -1,6 +1,6 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax.policy import Policy, get_policy
+from mpjax.policy import ConditionalFP32, OpLists, Policy, autocast, get_policy
 from mpjax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -18,13 +18,16 @@ from mpjax.scaling import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConditionalFP32",
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
+    "OpLists",
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "autocast",
     "get_loss_scale",
     "get_policy",
     "loss_scaled",

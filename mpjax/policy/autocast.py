@@ -19,6 +19,7 @@ dtype they are given in, so gradients reach float32 parameters in float32).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -28,7 +29,16 @@ import numpy as np
 from jax import lax
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
-from mpjax.policy.autocast_rules import HIGHER_ORDER_RULES, cast, dtype_of, is_float, widest
+from mpjax.policy.autocast_rules import (
+    FLEX,
+    HIGHER_ORDER_RULES,
+    LOW,
+    STRONG,
+    cast,
+    dtype_of,
+    is_float,
+    widest,
+)
 from mpjax.policy.op_lists import OpLists
 from mpjax.policy.policy import Policy, _as_float_dtype, get_policy
 
@@ -57,29 +67,30 @@ class _Ctx(NamedTuple):
 
 
 def _eval_jaxpr(
-    ctx: _Ctx, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], flex: Sequence[bool]
-) -> tuple[list[Any], list[bool]]:
-    """Evaluates `jaxpr` under autocast rules.
+    ctx: _Ctx, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], origins: Sequence[int]
+) -> tuple[list[Any], list[int]]:
+    """Evaluates `jaxpr` under autocast rules; returns the outputs and their origins.
 
-    `flex[i]` marks argument `i` as flexible: computed from literals only, so it adopts the
-    dtype of the values it meets instead of promoting them. Returns outputs and their flags.
+    An origin tags each value: `STRONG` (an ordinary value), `FLEX` (computed from literals
+    only, so it adopts the dtype of the values it meets, like a JAX weak type) or `LOW` (the
+    direct output of a lower-precision op, whose bias add may stay in the compute dtype).
     """
-    env: dict[Any, tuple[Any, bool]] = {}
+    env: dict[Any, tuple[Any, int]] = {}
     casts: dict[tuple[Any, np.dtype], Any] = {}  # a variable is cast to a dtype once
 
     def read(atom):
         if isinstance(atom, Literal):
-            return np.asarray(atom.val, atom.aval.dtype), True
+            return np.asarray(atom.val, atom.aval.dtype), FLEX
         return env[atom]
 
-    def write(var, val, flag):
+    def write(var, val, origin):
         if not isinstance(var, DropVar):
-            env[var] = (val, flag)
+            env[var] = (val, origin)
 
     for var, val in zip(jaxpr.constvars, consts, strict=True):
-        write(var, val, np.ndim(val) == 0)
-    for var, val, flag in zip(jaxpr.invars, args, flex, strict=True):
-        write(var, val, flag)
+        write(var, val, FLEX if np.ndim(val) == 0 else STRONG)
+    for var, val, origin in zip(jaxpr.invars, args, origins, strict=True):
+        write(var, val, origin)
     for eqn in jaxpr.eqns:
         vals, flags = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
 
@@ -94,16 +105,20 @@ def _eval_jaxpr(
         with eqn.ctx.manager:
             rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
             if rule is not None:
-                outs, out_flags = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
+                outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
             else:
-                outs, out_flags = _first_order(ctx, eqn, list(vals), list(flags), cast_in)
-        for var, val, flag in zip(eqn.outvars, outs, out_flags, strict=True):
-            write(var, val, flag)
+                outs, out_origins = _first_order(ctx, eqn, list(vals), list(flags), cast_in)
+        for var, val, origin in zip(eqn.outvars, outs, out_origins, strict=True):
+            write(var, val, origin)
     results = [read(v) for v in jaxpr.outvars]
     return [r[0] for r in results], [r[1] for r in results]
 
 
-def _first_order(ctx: _Ctx, eqn, vals: list, flags: list, cast_in) -> tuple[list, list]:
+def _size(x: Any) -> int:
+    return math.prod(np.shape(x))
+
+
+def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[list, list]:
     """Binds a first-order primitive with operands cast by its category.
 
     `cast_in(i, dtype)` returns operand `i` cast to `dtype` (cached per variable).
@@ -111,30 +126,50 @@ def _first_order(ctx: _Ctx, eqn, vals: list, flags: list, cast_in) -> tuple[list
     prim, params = eqn.primitive, eqn.params
     name = prim.name
     floats = [i for i, v in enumerate(vals) if is_float(dtype_of(v))]
-    out_flex = bool(vals) and all(flags)
+    strong = [i for i in floats if origins[i] != FLEX]
+    out_origin = FLEX if vals and all(o == FLEX for o in origins) else STRONG
     category = ctx.lists.category(name, params) if floats else None
 
     if category == "lower":
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
         outs = _lower_precision(ctx, prim, params, vals)
-        return outs, [False] * len(outs)
+        return outs, [LOW] * len(outs)
     if category == "fp32":
-        strong = [dtype_of(vals[i]) for i in floats if not flags[i]]
-        target = widest([_FULL, *(strong or [dtype_of(vals[i]) for i in floats])])
+        dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
+        target = widest([_FULL, *dtypes])
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
     elif name in _OPAQUE or any(True for _ in jaxprs_in_params(params)):
         vals = [cast_in(i, var.aval.dtype) for i, var in enumerate(eqn.invars)]
-        out_flex = False
-    elif not prim.multiple_results:
-        strong = [dtype_of(vals[i]) for i in floats if not flags[i]]
-        if strong:
-            target = widest(strong)
-            vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
+        out_origin = STRONG
+    elif not prim.multiple_results and strong:
+        if _is_epilogue(ctx, name, vals, origins, strong):
+            target = ctx.compute
+        else:
+            target = widest([dtype_of(vals[i]) for i in strong])
+        vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
     # Multiple-result primitives (optimization_barrier, sort, collectives over tuples, ...)
     # take independent operands: they pass through in the dtypes they arrive in.
     out = prim.bind(*vals, **params)
     outs = list(out) if prim.multiple_results else [out]
-    return outs, [out_flex] * len(outs)
+    return outs, [out_origin] * len(outs)
+
+
+def _is_epilogue(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
+    """Whether this op is the bias add of a lower-precision op (kept in the compute dtype).
+
+    True for an op in `OpLists.epilogue` that combines the full-size output of a
+    lower-precision op with smaller, broadcast operands (a `Dense`/`Conv` bias): torch's
+    `linear`/`conv` include that add, so it runs in the compute dtype there too.
+    """
+    if name not in ctx.lists.epilogue:
+        return False
+    low = [i for i in strong if origins[i] == LOW]
+    if not low:
+        return False
+    full = max(_size(v) for v in vals)
+    return all(_size(vals[i]) == full for i in low) and all(
+        _size(vals[i]) < full for i in strong if origins[i] != LOW
+    )
 
 
 def _lower_precision(ctx: _Ctx, prim, params, vals: list) -> list:
@@ -268,7 +303,7 @@ def autocast(
 
         dyn_vals = [leaves[i] for i in dynamic]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
-        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [False] * len(dyn_vals))
+        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [STRONG] * len(dyn_vals))
         outs = [cast(o, pol.output_dtype) for o in outs]
         return jax.tree.unflatten(out_tree[0], outs)
 

@@ -1,7 +1,7 @@
 """Autocast rules for higher-order primitives (jit, custom_jvp/vjp, scan, while, cond, remat).
 
-Each rule takes `(evaluate, ctx, eqn, vals, flags)`, where `evaluate(ctx, jaxpr, consts, args,
-flags)` is the autocast interpreter, and returns `(outputs, output_flags)`. Loop carries keep
+Each rule takes `(evaluate, ctx, eqn, vals, origins)`, where `evaluate(ctx, jaxpr, consts, args,
+origins)` is the autocast interpreter, and returns `(outputs, output_origins)`. Loop carries keep
 the dtypes they were traced with, so a loop's type is the same on every iteration; branch
 outputs of `cond` are cast to the widest dtype any branch produces.
 """
@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["HIGHER_ORDER_RULES", "cast", "dtype_of", "is_float", "widest"]
+__all__ = ["FLEX", "HIGHER_ORDER_RULES", "LOW", "STRONG", "cast", "dtype_of", "is_float", "widest"]
+
+# Origins of a value in the interpreter (see `autocast._eval_jaxpr`).
+STRONG, FLEX, LOW = 0, 1, 2
 
 
 def dtype_of(x: Any) -> np.dtype:
@@ -50,22 +53,22 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), dtype_of(x))
 
 
-def _jit(evaluate, ctx, eqn, vals, flags):
+def _jit(evaluate, ctx, eqn, vals, origins):
     """Re-traces the jitted jaxpr under autocast and rebinds `jit` with it (same params)."""
     closed = eqn.params["jaxpr"]
-    out_flags: list[list[bool]] = []
+    out_origins: list[list[int]] = []
 
     def inner(*args):
-        outs, oflags = evaluate(ctx, closed.jaxpr, closed.consts, args, flags)
-        out_flags.append(oflags)
+        outs, oorigins = evaluate(ctx, closed.jaxpr, closed.consts, args, origins)
+        out_origins.append(oorigins)
         return outs
 
     new_closed = jax.make_jaxpr(inner)(*map(_struct, vals))
     outs = eqn.primitive.bind(*vals, **dict(eqn.params, jaxpr=new_closed))
-    return list(outs), out_flags[0]
+    return list(outs), out_origins[0]
 
 
-def _custom_jvp(evaluate, ctx, eqn, vals, flags):
+def _custom_jvp(evaluate, ctx, eqn, vals, origins):
     """Runs the primal and the user's JVP rule both under autocast, as a new `custom_jvp`.
 
     The rule's primal outputs are cast to the autocast primal's output dtypes and its
@@ -75,7 +78,7 @@ def _custom_jvp(evaluate, ctx, eqn, vals, flags):
     call, num_consts, jvp_fun = params["call_jaxpr"], params["num_consts"], params["jvp_jaxpr_fun"]
 
     def primal(*args):
-        return evaluate(ctx, call.jaxpr, call.consts, args, flags)[0]
+        return evaluate(ctx, call.jaxpr, call.consts, args, origins)[0]
 
     out_structs = jax.eval_shape(primal, *map(_struct, vals))
     fun = jax.custom_jvp(primal)
@@ -86,8 +89,8 @@ def _custom_jvp(evaluate, ctx, eqn, vals, flags):
         jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
         nonzero = [t for t, z in zip(tangents, zeros, strict=True) if not z]
         args = [*primals, *nonzero]
-        arg_flags = [*flags[num_consts:], *([False] * len(nonzero))]
-        outs, _ = evaluate(ctx, jaxpr, consts, args, arg_flags)
+        arg_origins = [*origins[num_consts:], *([STRONG] * len(nonzero))]
+        outs, _ = evaluate(ctx, jaxpr, consts, args, arg_origins)
         out_primals, out_nonzero = outs[: len(out_zeros)], iter(outs[len(out_zeros) :])
         out_primals = [cast(o, s.dtype) for o, s in zip(out_primals, out_structs, strict=True)]
         out_tangents = []
@@ -103,33 +106,33 @@ def _custom_jvp(evaluate, ctx, eqn, vals, flags):
 
     fun.defjvp(rule)
     outs = fun(*vals)
-    return list(outs), [False] * len(outs)
+    return list(outs), [STRONG] * len(outs)
 
 
-def _custom_vjp(evaluate, ctx, eqn, vals, flags):
+def _custom_vjp(evaluate, ctx, eqn, vals, origins):
     """Binds a `custom_vjp` call as it was traced: operands cast back to their traced dtypes.
 
     Its forward and backward rules (often a fused kernel with its own precision) run
     unchanged, so the user's gradient is kept exactly.
     """
-    del evaluate, ctx, flags
+    del evaluate, ctx, origins
     in_avals = eqn.params["call_jaxpr"].in_avals
     vals = [cast(v, a.dtype) for v, a in zip(vals, in_avals, strict=True)]
     outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs), [False] * len(outs)
+    return list(outs), [STRONG] * len(outs)
 
 
-def _scan(evaluate, ctx, eqn, vals, flags):
+def _scan(evaluate, ctx, eqn, vals, origins):
     """`lax.scan` over the autocast body; the carry keeps its traced dtypes."""
     p = eqn.params
     body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
     consts, init, xs = vals[:nc], vals[nc : nc + ncarry], vals[nc + ncarry :]
     carry_dtypes = [a.dtype for a in body.in_avals[nc : nc + ncarry]]
     init = [cast(v, d) for v, d in zip(init, carry_dtypes, strict=True)]
-    body_flags = [*flags[:nc], *([False] * ncarry), *flags[nc + ncarry :]]
+    body_origins = [*origins[:nc], *([STRONG] * ncarry), *origins[nc + ncarry :]]
 
     def step(carry, x):
-        outs, _ = evaluate(ctx, body.jaxpr, body.consts, [*consts, *carry, *x], body_flags)
+        outs, _ = evaluate(ctx, body.jaxpr, body.consts, [*consts, *carry, *x], body_origins)
         new_carry = [cast(o, d) for o, d in zip(outs[:ncarry], carry_dtypes, strict=True)]
         return new_carry, outs[ncarry:]
 
@@ -137,40 +140,44 @@ def _scan(evaluate, ctx, eqn, vals, flags):
         step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
     )
     outs = [*carry, *ys]
-    return outs, [False] * len(outs)
+    return outs, [STRONG] * len(outs)
 
 
-def _while(evaluate, ctx, eqn, vals, flags):
+def _while(evaluate, ctx, eqn, vals, origins):
     """`lax.while_loop` over the autocast cond and body; the carry keeps its traced dtypes."""
     p = eqn.params
     cond, body = p["cond_jaxpr"], p["body_jaxpr"]
     cnc, bnc = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = vals[:cnc], vals[cnc : cnc + bnc], vals[cnc + bnc :]
-    cflags, bflags = flags[:cnc], flags[cnc : cnc + bnc]
+    corigins, borigins = origins[:cnc], origins[cnc : cnc + bnc]
     carry_dtypes = [a.dtype for a in body.in_avals[bnc:]]
     init = [cast(v, d) for v, d in zip(init, carry_dtypes, strict=True)]
-    carry_flags = [False] * len(init)
+    carry_origins = [STRONG] * len(init)
 
     def cond_fun(carry):
-        outs, _ = evaluate(ctx, cond.jaxpr, cond.consts, [*cconsts, *carry], cflags + carry_flags)
+        outs, _ = evaluate(
+            ctx, cond.jaxpr, cond.consts, [*cconsts, *carry], corigins + carry_origins
+        )
         return outs[0]
 
     def body_fun(carry):
-        outs, _ = evaluate(ctx, body.jaxpr, body.consts, [*bconsts, *carry], bflags + carry_flags)
+        outs, _ = evaluate(
+            ctx, body.jaxpr, body.consts, [*bconsts, *carry], borigins + carry_origins
+        )
         return [cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
 
     outs = lax.while_loop(cond_fun, body_fun, init)
-    return list(outs), [False] * len(outs)
+    return list(outs), [STRONG] * len(outs)
 
 
-def _cond(evaluate, ctx, eqn, vals, flags):
+def _cond(evaluate, ctx, eqn, vals, origins):
     """`lax.switch` over the autocast branches; outputs cast to the widest branch dtype."""
     index, ops = vals[0], vals[1:]
-    op_flags = flags[1:]
+    op_origins = origins[1:]
 
     def branch_fun(closed):
         def fun(*args):
-            return evaluate(ctx, closed.jaxpr, closed.consts, args, op_flags)[0]
+            return evaluate(ctx, closed.jaxpr, closed.consts, args, op_origins)[0]
 
         return fun
 
@@ -185,19 +192,19 @@ def _cond(evaluate, ctx, eqn, vals, flags):
         return lambda *args: [cast(o, d) for o, d in zip(f(*args), out_dtypes, strict=True)]
 
     outs = lax.switch(index, [casting(f) for f in funs], *ops)
-    return list(outs), [False] * len(outs)
+    return list(outs), [STRONG] * len(outs)
 
 
-def _remat(evaluate, ctx, eqn, vals, flags):
+def _remat(evaluate, ctx, eqn, vals, origins):
     """`jax.checkpoint` of the autocast body with the same `prevent_cse` and `policy`."""
     p = eqn.params
     jaxpr = p["jaxpr"]
 
     def body(*args):
-        return evaluate(ctx, jaxpr, (), args, flags)[0]
+        return evaluate(ctx, jaxpr, (), args, origins)[0]
 
     outs = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*vals)
-    return list(outs), [False] * len(outs)
+    return list(outs), [STRONG] * len(outs)
 
 
 HIGHER_ORDER_RULES = {

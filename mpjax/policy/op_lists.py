@@ -20,6 +20,7 @@ from jax.extend.core import primitives as _prims
 __all__ = [
     "ConditionalFP32",
     "DEFAULT_CONDITIONAL_FP32",
+    "DEFAULT_EPILOGUE",
     "DEFAULT_FP32",
     "DEFAULT_LOWER_PRECISION",
     "OpLists",
@@ -52,6 +53,10 @@ DEFAULT_FP32: frozenset[str] = frozenset(
         "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",
     }
 )  # fmt: skip
+
+
+# Ops that, as the bias add of a lower-precision op, stay in the compute dtype.
+DEFAULT_EPILOGUE: frozenset[str] = frozenset({"add"})
 
 
 class ConditionalFP32(NamedTuple):
@@ -160,13 +165,17 @@ class OpLists:
     `fp32` runs in float32 (never narrower than its widest input); one matching an entry of
     `conditional_fp32` runs in float32 when its parameter has one of the listed values (this
     takes precedence over `lower_precision`). Every other primitive runs in the widest dtype of
-    its floating inputs. Integer and boolean values are never cast.
+    its floating inputs, except an `epilogue` op that adds a smaller, broadcast operand (a
+    bias) to the output of a lower-precision op: it stays in the compute dtype, as the bias
+    add inside torch's `linear`/`conv` does. Integer and boolean values are never cast.
 
     Attributes:
       lower_precision: primitive names run in the compute dtype (MXNet `target_precision_ops`).
       fp32: primitive names run in float32 (MXNet `fp32_ops`).
       conditional_fp32: `ConditionalFP32(primitive, param, values)` entries (MXNet
         `conditional_fp32_ops`).
+      epilogue: primitive names kept in the compute dtype as the bias add of a
+        lower-precision op; `frozenset()` gives the plain widest-input rule everywhere.
 
     Example:
       >>> lists = OpLists().with_added(fp32=["tanh"]).with_removed("argmax")
@@ -177,6 +186,7 @@ class OpLists:
     lower_precision: frozenset[str] = DEFAULT_LOWER_PRECISION
     fp32: frozenset[str] = DEFAULT_FP32
     conditional_fp32: tuple[ConditionalFP32, ...] = DEFAULT_CONDITIONAL_FP32
+    epilogue: frozenset[str] = DEFAULT_EPILOGUE
 
     def __post_init__(self):
         lower = _name_set(self.lower_precision, "lower_precision")
@@ -190,6 +200,7 @@ class OpLists:
         object.__setattr__(self, "lower_precision", lower)
         object.__setattr__(self, "fp32", fp32)
         object.__setattr__(self, "conditional_fp32", _conditional(self.conditional_fp32))
+        object.__setattr__(self, "epilogue", _name_set(self.epilogue, "epilogue"))
 
     def replace(self, **changes: Any) -> OpLists:
         """Returns a copy with the given fields replaced (validated like the constructor)."""
@@ -224,6 +235,7 @@ class OpLists:
             lower_precision=(self.lower_precision - add_fp32) | add_lower,
             fp32=(self.fp32 - add_lower) | add_fp32,
             conditional_fp32=self.conditional_fp32 + _conditional(conditional_fp32),
+            epilogue=self.epilogue,
         )
 
     def with_removed(self, *ops: Any) -> OpLists:
@@ -240,12 +252,13 @@ class OpLists:
             lower_precision=self.lower_precision - names,
             fp32=self.fp32 - names,
             conditional_fp32=tuple(c for c in self.conditional_fp32 if c.primitive not in names),
+            epilogue=self.epilogue - names,
         )
 
     def category(self, name: str, params: Any) -> str | None:
         """Returns `"fp32"`, `"lower"` or `None` for a primitive `name` with `params`."""
         for cond in self.conditional_fp32:
-            if cond.primitive == name and params.get(cond.param) in cond.values:
+            if cond.primitive == name and any(params.get(cond.param) == v for v in cond.values):
                 return "fp32"
         if name in self.fp32:
             return "fp32"
