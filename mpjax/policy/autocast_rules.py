@@ -23,9 +23,10 @@ __all__ = ["FLEX", "HIGHER_ORDER_RULES", "LOW", "STRONG", "cast", "dtype_of", "i
 STRONG, FLEX, LOW = 0, 1, 2
 
 
-def dtype_of(x: Any) -> np.dtype:
-    """The dtype of an array, tracer or scalar."""
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.result_type(x))
+def dtype_of(x: Any) -> Any:
+    """The dtype of an array, tracer or scalar (extended dtypes such as keys as they are)."""
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+    return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
 
 
 def is_float(dtype: Any) -> bool:
