@@ -308,9 +308,7 @@ class ScanStack(nn.Module):
                 h = nn.Dense(carry.shape[-1])(nn.LayerNorm()(carry))
                 return carry + jnp.tanh(h), jnp.sum(h)
 
-        stack = nn.scan(
-            Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
-        )
+        stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
         return stack()(x, None)
 
 
