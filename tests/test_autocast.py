@@ -288,7 +288,7 @@ def test_output_dtype_follows_policy():
 # ----------------------------------------------------------------------------- transformations
 
 
-def test_vmap_of_autocast_matches_per_example():
+def test_vmap_of_grad_of_autocast_matches_float64():
     _, loss, (params, x) = block_setup(seed=4)
     grad = jax.grad(autocast(loss))
     per_example = jax.jit(jax.vmap(grad, in_axes=(None, 0)))(params, x[:, None])
@@ -483,6 +483,25 @@ def _mlp(x, w, b):
 def _mlp_args():
     k1, k2, k3 = jax.random.split(jax.random.key(17), 3)
     return _normal(k1, (4, 8)), _normal(k2, (8, 3)), _normal(k3, (3,))
+
+
+def test_widest_rule_literals_and_bias_epilogue():
+    x, w, b = _mlp_args()
+    r = _normal(jax.random.key(18), (4, 3))
+
+    @autocast(policy="p=f32,c=bf16,o=f32")  # decorator form
+    def f(x, w, b, r):
+        y = x @ w + b  # bias add of the matmul: stays bf16
+        z = jnp.maximum(y, 0.0) * 0.5  # literals adopt bf16
+        return z + r  # same-size float32 operand: widest wins
+
+    jaxpr = jax.make_jaxpr(f)(x, w, b, r)
+    bf16 = np.dtype(jnp.bfloat16)
+    adds = [out_dtypes(e)[0] for e in eqns_named(jaxpr, "add")]
+    assert adds == [bf16, F32]
+    assert [out_dtypes(e) for e in eqns_named(jaxpr, "max", "mul")] == [[bf16], [bf16]]
+    ref = f64_reference(f.__wrapped__, x, w, b, r)
+    assert rel_err(jax.jit(f)(x, w, b, r), ref) < 2e-2
 
 
 def test_default_lists_are_readable_data():

@@ -241,7 +241,9 @@ def autocast(
     `jit`, `custom_jvp`, `scan`, `while`, `cond` and `checkpoint`; `custom_vjp` functions keep
     their own rules and traced dtypes. Array arguments (and their gradients) keep their dtype;
     other arguments (Python scalars, strings, flags) are static. Floating outputs are cast to
-    `policy.output_dtype`. Composes with `jax.jit`, `jax.grad` and `jax.vmap`.
+    `policy.output_dtype`. Composes with `jax.jit`, `jax.grad` and `jax.vmap`. `fun` is traced
+    with `jax.make_jaxpr` at every call, so, as under `jax.jit`, it cannot branch on array
+    values; wrap the result in `jax.jit` to trace once.
 
     Args:
       fun: the function; omit it to use `autocast(policy=...)` as a decorator.
