@@ -253,7 +253,10 @@ def main(run: Callable[..., dict], argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    result = run(quick=args.quick)
+    try:
+        result = run(quick=args.quick)
+    except Skip as exc:
+        raise SystemExit(f"skipped: {exc}") from None
     check_result(result)
     print(format_text(result))
     return result
