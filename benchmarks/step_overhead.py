@@ -15,6 +15,8 @@ dtype=float16` set-up. Every variant runs the same forward + backward + Adam upd
   applied by hand (loss times 2**15, grads divided by 2**15), because `apply_if_finite` only
   skips non-finite steps and does no scaling. A static scale does strictly less work than a
   dynamic one, so this is a lower bound on its cost.
+- (info) mpjax with fp16 params: the params stored in float16, `loss_scaled` keeping a
+  float32 master copy; a different storage, shown for the cost of the master-weights mode.
 - jmp: the pattern from jmp's README: `policy.cast_to_compute(params)`,
   `loss_scale.scale(loss)`, `policy.cast_to_param(grads)`, `loss_scale.unscale(grads)`,
   `jmp.all_finite`, `loss_scale.adjust`, and `jmp.select_tree(finite, new, old)` over params
@@ -58,6 +60,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 COMPUTE = jnp.float16
 LR = 1e-4
 STATIC_SCALE = 2.0**15
+FP16_PARAMS = "(info) mpjax, fp16 params + fp32 master"
 
 FULL = {"depth": 60, "width": 256, "batch": 32, "rounds": 21, "steps_per_round": 5}
 QUICK = {"depth": 8, "width": 32, "batch": 8, "rounds": 5, "steps_per_round": 2}
@@ -115,6 +118,11 @@ def mpjax_step(state, batch):
     grads, loss = jax.grad(scaled, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
+
+
+def mpjax_fp16_params_init(params):
+    """fp16 params: `loss_scaled` then keeps a float32 master copy ("auto")."""
+    return mpjax_init(jax.tree.map(lambda p: p.astype(jnp.float16), params))
 
 
 def flax_init(params):
@@ -190,12 +198,15 @@ def variants() -> dict:
     }
     if jmp is not None:
         out["jmp pattern"] = (jmp_init, jmp_step)
+    # Not the same model storage as the rows above (params held in fp16, plus an fp32
+    # master copy): shown for the cost of mpjax's master-weights mode.
+    out[FP16_PARAMS] = (mpjax_fp16_params_init, mpjax_step)
     return out
 
 
 def skipped_steps(name: str, state) -> int | None:
     """How many steps a loss-scaling variant skipped (None for the baseline)."""
-    if name.startswith("mpjax"):
+    if name.startswith("mpjax") or name == FP16_PARAMS:
         return int(mpjax.scaling_metrics(state[1])["skipped_steps"])
     if name.startswith("optax.apply_if_finite"):
         return int(state[1].total_notfinite)
@@ -269,6 +280,9 @@ def run(quick: bool = False, sizes: dict | None = None) -> dict:
         "'time ratio' is the median (min-max) of per-round ratios to bare optax.",
         "'HLO copies': copy instructions XLA inserted in the compiled step (extra passes over "
         "state buffers).",
+        f"'{FP16_PARAMS}' stores the params in float16 with a float32 master copy in the "
+        "optimizer state (mpjax's master-weights mode), so it is a different model storage, "
+        "shown for information, not a like-for-like comparison.",
         "optax.apply_if_finite does no scaling itself: it gets a static 2**15 loss scale "
         "applied by hand (a lower bound on a dynamic scale's cost).",
     ]
