@@ -59,7 +59,9 @@ def _missing_extra(exc: BaseException) -> str | None:
 
 
 def _run_child(name: str, bench_dir: Path, quick: bool, result_file: Path) -> None:
-    for path in (str(bench_dir), str(ROOT)):
+    # Scripts may import `benchmarks.common` (repo root on the path) or, as when run from
+    # inside benchmarks/, plain `common` (this folder on the path).
+    for path in (str(HERE), str(ROOT), str(bench_dir)):
         if path not in sys.path:
             sys.path.insert(0, path)
     record: dict = {"name": name, "status": "error"}
@@ -73,21 +75,36 @@ def _run_child(name: str, bench_dir: Path, quick: bool, result_file: Path) -> No
     result_file.write_text(json.dumps(record, default=str))
 
 
+def _is_skip(exc: BaseException) -> bool:
+    # By name, so that `common.Skip` imported as a top-level `common` module (when a script
+    # is run from inside benchmarks/) counts as well as `benchmarks.common.Skip`.
+    return type(exc).__name__ == "Skip"
+
+
+def _skip_reason(exc: BaseException) -> str | None:
+    """Why `exc` means "skipped" (missing optional package, or Skip), or None for an error."""
+    if _is_skip(exc):
+        return str(exc)
+    if isinstance(exc, ImportError):
+        missing = _missing_extra(exc)
+        if missing is not None:
+            return f"optional package {missing!r} is not installed"
+    return None
+
+
 def _child_body(name: str, bench_dir: Path, quick: bool) -> dict:
-    from benchmarks.common import Skip, check_result
+    from benchmarks.common import check_result
 
     spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", bench_dir / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
-    except ImportError as exc:
-        missing = _missing_extra(exc)
-        if missing is None:
+    except Exception as exc:
+        reason = _skip_reason(exc)
+        if reason is None:
             raise
-        return {"status": "skipped", "reason": f"optional package {missing!r} is not installed"}
-    except Skip as exc:
-        return {"status": "skipped", "reason": str(exc)}
+        return {"status": "skipped", "reason": reason}
     run = getattr(module, "run", None)
     if not callable(run):
         return {"status": "ignored", "reason": "no run(quick) function: not a benchmark"}
@@ -106,13 +123,11 @@ def _child_body(name: str, bench_dir: Path, quick: bool) -> dict:
             }
     try:
         result = run(quick=quick)
-    except ImportError as exc:
-        missing = _missing_extra(exc)
-        if missing is None:
+    except Exception as exc:
+        reason = _skip_reason(exc)
+        if reason is None:
             raise
-        return {"status": "skipped", "reason": f"optional package {missing!r} is not installed"}
-    except Skip as exc:
-        return {"status": "skipped", "reason": str(exc)}
+        return {"status": "skipped", "reason": reason}
     check_result(result)
     return {"status": "ok", "result": result}
 
@@ -210,10 +225,10 @@ def write_reports(records: list[dict], machine: dict, quick: bool, out_dir: Path
     peak_load = max([*load[0][:1], *load[1][:1], 0.0])
     if machine.get("usable_cpus") and peak_load > 0.75 * machine["usable_cpus"]:
         lines += [
-            f"> **Loaded machine**: the 1-minute load average reached {peak_load} on "
-            f"{machine['usable_cpus']} CPUs during this run, so other processes competed "
-            "for the CPU. Absolute times are inflated and noisy; paired per-round ratios "
-            "and compiled byte counts are the figures to read.",
+            f"> **Loaded machine**: the 1-minute load average was {load[0][0]} at the start "
+            f"and {load[1][0]} at the end, on {machine['usable_cpus']} CPUs: other processes "
+            "competed for the CPU during this run. Absolute times are inflated and noisy; "
+            "paired per-round ratios and compiled byte counts are the figures to read.",
             "",
         ]
     for r in records:

@@ -125,6 +125,11 @@ FAKE_BENCHMARKS = {
         def run(quick=False):
             raise AssertionError("must not run without a GPU")
     """,
+    "self_skips": """
+        import common  # as a script run from inside benchmarks/ would import it
+        def run(quick=False):
+            raise common.Skip("needs a TPU pod")
+    """,
     "helper": """
         X = 1  # no run(): not a benchmark
     """,
@@ -150,6 +155,7 @@ def test_runner_classifies_every_outcome_and_reports_them(tmp_path):
         "malformed": "error",
         "repo_bug": "error",
         "needs_device": gpu_status if gpu_status == "skipped" else "error",
+        "self_skips": "skipped",
     }
     recs = data["benchmarks"]
     assert recs["ok_bench"]["result"]["rows"][1] == ["b", 0.5]  # quick=True reached run()
@@ -157,6 +163,7 @@ def test_runner_classifies_every_outcome_and_reports_them(tmp_path):
     assert "boom in broken" in recs["broken"]["reason"]
     assert "'columns'" in recs["malformed"]["reason"]
     assert "mpjax.no_such_submodule" in recs["repo_bug"]["reason"]
+    assert recs["self_skips"]["reason"] == "needs a TPU pod"
     if gpu_status == "skipped":
         assert "GPU-only" in recs["needs_device"]["reason"]
     assert data["quick"] is True
