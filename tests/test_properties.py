@@ -174,6 +174,7 @@ class Case:
     seed: int
     magnitudes: tuple  # per step: how large the true gradients are (0: all zero)
     faults: tuple  # per step: a tuple of (leaf, position, value)
+    at_top: bool = False  # fp16 params start at +-65504, where a finite step can overflow
 
 
 FAULT = st.tuples(
@@ -212,6 +213,7 @@ def cases(draw, setups):
             draw(st.lists(st.sampled_from((1e-2, 1.0, 1e2, 0.0)), min_size=T, max_size=T))
         ),
         faults=tuple(_step_faults(draw, density) for _ in range(T)),
+        at_top=draw(st.booleans()),
     )
 
 
@@ -227,6 +229,11 @@ def _data(case: Case):
         true_grads[k] = tg * mags.reshape((T,) + (1,) * len(SHAPES[k]))
         masks[k] = np.zeros((T, *SHAPES[k]), bool)
         values[k] = np.zeros((T, *SHAPES[k]), np.float32)
+    if case.at_top:
+        for k in NAMES:
+            if dtypes[k] == F16:
+                top = np.finfo(np.float16).max * rng.choice([-1, 1])
+                params[k].reshape(-1)[0] = top
     for t, faults in enumerate(case.faults):
         for leaf, pos, value in faults:
             size = int(np.prod(SHAPES[leaf]))
@@ -243,13 +250,15 @@ def reference_model(case: Case, params, true_grads, masks, values):
     """The algorithm in plain numpy, float32 arithmetic, SGD inner; one record per step.
 
     Per step: gradients of the scaled loss are `true_grad * scale` rounded to the param dtype
-    (faults overwrite them); they are unscaled in float32; the step is finite iff every unscaled
-    value is; a finite step does `master <- master - lr * g` (master: the float32 copy where one is
-    kept, else the param widened) and sets the param to the new master rounded to its dtype; a
-    non-finite step changes nothing but the counters. Then the loss scale adjusts: finite steps
-    count up and grow the scale by `growth_factor` every `growth_interval` (capped at
-    `max_scale`, and kept as is if it would become inf), non-finite steps multiply it by
-    `backoff_factor` (not below `min_scale`) and reset the count.
+    (faults overwrite them); they are unscaled in float32; the gradients are finite iff every
+    unscaled value is. The candidate new master is `master - lr * g` (master: the float32 copy
+    where one is kept, else the param widened; a float32 param with a float32 master lands on
+    `p + ((master - lr * g) - p)`, the sum the caller forms); each param's new value is its
+    candidate rounded to the param dtype. The step is taken iff the gradients and all new values
+    are finite; otherwise nothing changes but the counters. The loss scale adjusts on the
+    gradients' finiteness: finite steps count up and grow the scale by `growth_factor` every
+    `growth_interval` (capped at `max_scale`, and kept as is if it would become inf), non-finite
+    steps multiply it by `backoff_factor` (not below `min_scale`) and reset the count.
     """
     setup = case.setup
     dtypes = dict(zip(NAMES, setup.dtypes, strict=True))
@@ -267,13 +276,21 @@ def reference_model(case: Case, params, true_grads, masks, values):
                 g[masks[k][t]] = values[k][t][masks[k][t]].astype(dtypes[k])
                 unscaled[k] = g.astype(np.float32) / scale
             finite = all(bool(np.all(np.isfinite(u))) for u in unscaled.values())
-            if finite:
+            candidates = {}
+            for k in NAMES:
+                view = master[k] if keep[k] else params[k].astype(np.float32)
+                new = view + np.float32(-LR) * unscaled[k]
+                if keep[k] and dtypes[k] == F32:
+                    new = params[k] + (new - params[k])
+                candidates[k] = new
+            taken = finite and all(
+                bool(np.all(np.isfinite(c.astype(dtypes[k])))) for k, c in candidates.items()
+            )
+            if taken:
                 for k in NAMES:
-                    view = master[k] if keep[k] else params[k].astype(np.float32)
-                    new = view + np.float32(-LR) * unscaled[k]
                     if keep[k]:
-                        master[k] = new
-                    params[k] = new.astype(dtypes[k])
+                        master[k] = candidates[k]
+                    params[k] = candidates[k].astype(dtypes[k])
                 consecutive = 0
             else:
                 skipped += 1
@@ -295,6 +312,7 @@ def reference_model(case: Case, params, true_grads, masks, values):
             records.append(
                 dict(
                     finite=finite,
+                    taken=taken,
                     scale=scale,
                     counter=counter,
                     skipped=skipped,
@@ -364,7 +382,8 @@ def _check_invariants(case: Case, params0, state0, out_params, out_state):
             assert np.all(np.isfinite(np.asarray(leaf, np.float32))), f"non-finite at step {t}"
         assert np.array_equal(params_t["n"], INT_LEAF)
         assert np.asarray(params_t["a"]).dtype == dtypes["a"]
-        if not bool(out_state.grads_finite[t]):
+        skipped_before = int(out_state.skipped_steps[t - 1]) if t else 0
+        if int(out_state.skipped_steps[t]) > skipped_before:
             _assert_bits_equal(inner_t, prev_inner, f"inner state changed on skipped step {t}")
             _assert_bits_equal(master_t, prev_master, f"master changed on skipped step {t}")
             _assert_bits_equal(params_t, prev_params, f"params changed on skipped step {t}")
@@ -378,6 +397,8 @@ def _check_invariants(case: Case, params0, state0, out_params, out_state):
 def _coverage_events(case: Case, records) -> None:
     """Labels for `pytest --hypothesis-show-statistics`: what the generated cases exercised."""
     n_skipped = records[-1]["skipped"]
+    if any(r["finite"] and not r["taken"] for r in records):
+        event("a skip from overflow of the new params (finite gradients)")
     event(f"skipped steps: {'none' if n_skipped == 0 else 'all' if n_skipped == T else 'some'}")
     injected = [bool(f) for f in case.faults]
     if any(not r["finite"] and not inj for r, inj in zip(records, injected, strict=True)):
@@ -415,11 +436,22 @@ GROWTH_OVERFLOW_CASE = Case(
     magnitudes=(0.0,) * T,
     faults=((),) * T,
 )
+# fp16 params at the top of their range, large finite gradients: some steps overflow the params.
+PARAM_OVERFLOW_CASE = Case(
+    setup=SGD_SETUPS[0],  # fp16 leaves, no loss scaling
+    scale0=1.0,
+    counter0=0,
+    seed=1,
+    magnitudes=(1e2,) * T,
+    faults=((),) * T,
+    at_top=True,
+)
 
 
 @settings(max_examples=400)
 @given(case=cases(SGD_SETUPS))
 @example(case=GROWTH_OVERFLOW_CASE)
+@example(case=PARAM_OVERFLOW_CASE)
 def test_sgd_trajectory_equals_reference_model_and_invariants_hold(case):
     params0, true_grads, masks, values, state0, out_params, out_state = _run(case)
     records = reference_model(case, params0, true_grads, masks, values)
@@ -451,7 +483,7 @@ def test_stateful_inner_untouched_on_skips_and_invariants_hold(case):
     records = reference_model(case, params0, true_grads, masks, values)
     _check_counters_against_reference(case, out_state, records)
     _check_invariants(case, params0, state0, out_params, out_state)
-    finite_steps = np.cumsum(np.asarray(out_state.grads_finite, np.int32))
+    finite_steps = np.arange(1, T + 1) - np.asarray(out_state.skipped_steps)
     counts = _counts(out_state.inner_state)
     if case.setup.inner != "momentum":
         assert counts, "adam keeps a step count"
@@ -468,8 +500,9 @@ def dynamic_configs(draw):
     return dict(
         initial_scale=initial,
         growth_interval=draw(st.integers(1, 6)),
-        growth_factor=draw(st.floats(1.0, 1e3, exclude_min=True)),
-        backoff_factor=draw(st.floats(F32_TINY, 1.0, exclude_max=True)),
+        # valid in float32, where the scale is computed: growth > 1 and backoff < 1 there
+        growth_factor=draw(st.floats(1.0 + 2.0**-23, 1e3)),
+        backoff_factor=draw(st.floats(F32_TINY, 1.0 - 2.0**-24)),
         min_scale=lo,
         max_scale=hi,
     )
@@ -552,7 +585,7 @@ def test_nonfinite_report_counts_match_numpy(dtypes, seed, faults):
     assert bool(finite) == (not expected)
 
 
-# --- Deterministic cases of the invariants above that the current implementation breaks ---------
+# --- Regression tests: deterministic cases of the invariants above (found by this suite) -------
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
