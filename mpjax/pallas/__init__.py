@@ -1,0 +1,14 @@
+"""Pallas GPU kernels (Triton backend) with interpret-mode and XLA fallbacks."""
+
+from mpjax.pallas.dispatch import IMPLS, dispatch
+from mpjax.pallas.epilogue import ACTIVATIONS, conv_epilogue, conv_epilogue_reference
+from mpjax.pallas.unscale import unscale_and_check
+
+__all__ = [
+    "ACTIVATIONS",
+    "IMPLS",
+    "conv_epilogue",
+    "conv_epilogue_reference",
+    "dispatch",
+    "unscale_and_check",
+]
