@@ -14,6 +14,7 @@ from mpjax.scaling import (
     scaling_metrics,
     select_tree,
 )
+from mpjax import nn, pallas  # noqa: E402  (after the core: they build on it)
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,8 @@ __all__ = [
     "get_loss_scale",
     "get_policy",
     "loss_scaled",
+    "nn",
+    "pallas",
     "scale_loss",
     "scaling_metrics",
     "select_tree",

@@ -12,7 +12,6 @@ __all__ = [
     "MAX_ELEMENTS",
     "compiler_params",
     "compute_dtype",
-    "ieee_div",
     "next_pow2",
     "offsets",
 ]
@@ -42,30 +41,6 @@ def compute_dtype(dtype) -> np.dtype:
 def offsets(block: int, axis: int, shape: tuple[int, ...], block_index) -> jax.Array:
     """Global indices along `axis` of the elements of a block of `shape`."""
     return block_index * block + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def ieee_div(x: jax.Array, y: jax.Array, *, interpret: bool) -> jax.Array:
-    """`x / y` rounded to nearest (IEEE), as XLA computes it.
-
-    Triton lowers `/` on float32 to the approximate `div.full.f32`; on the GPU this uses the
-    correctly rounded `div.rn` instruction instead, so the kernel matches XLA bit for bit.
-    """
-    if interpret:
-        return x / y
-    if x.dtype == jnp.float32:
-        asm, constraints = "div.rn.f32 $0, $1, $2;", "=r,r,r"
-    elif x.dtype == jnp.float64:
-        asm, constraints = "div.rn.f64 $0, $1, $2;", "=l,l,l"
-    else:
-        raise TypeError(f"ieee_div: float32/float64 only, got {x.dtype}")
-    [out] = pltriton.elementwise_inline_asm(
-        asm,
-        args=[x, y],
-        constraints=constraints,
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
-    )
-    return out
 
 
 # Channel-tiled kernels over an (R, C) view (R = N*H*W rows, C channels contiguous).

@@ -2,8 +2,8 @@
 
 One `pallas_call` covers many leaves at once (like apex's multi-tensor apply): its 1-D grid is the
 concatenation of every leaf's blocks, each grid step finds the leaf it belongs to, reads that
-block once, writes `g / loss_scale` in float32 (float64 for float64 leaves) and a 0/1 finite flag
-for its own block. No leaf is copied into a flat buffer: each leaf is passed as its own operand
+block once, writes `g * (1 / loss_scale)` in float32 (float64 for float64 leaves) and a 0/1 finite
+flag for its own block. No leaf is copied into a flat buffer: each leaf is passed as its own operand
 (a free reshape to 1-D). The per-block flags are reduced outside the kernel, so no flag is shared
 between grid steps (that would race on the GPU).
 """
@@ -22,7 +22,6 @@ from mpjax.pallas.common import (
     MAX_ELEMENTS,
     compiler_params,
     compute_dtype,
-    ieee_div,
     next_pow2,
     offsets,
 )
@@ -45,9 +44,11 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
     """Unscales a gradient pytree to float32 and checks it for inf/NaN in one pass.
 
     Floating leaves (float16, bfloat16, float32; float64 stays float64) become
-    `g.astype(float32) / loss_scale`; other leaves pass through. The flag is whether every
-    unscaled value is finite. Results are bit-identical to `mpjax.scaling.xla_unscale_and_check`.
-    Drop-in for `mpjax.loss_scaled(..., unscale_and_check=...)`.
+    `g.astype(float32) * (1 / loss_scale)` with the reciprocal rounded once, which is what XLA
+    makes of `g / loss_scale` (its algebraic simplifier rewrites a division by a broadcast
+    scalar); for power-of-two scales, such as `DynamicLossScale`'s, it is exactly
+    `g / loss_scale`. Other leaves pass through. The flag is whether every unscaled value is
+    finite. Drop-in for `mpjax.loss_scaled(..., unscale_and_check=...)`.
 
     Args:
       grads: a pytree of gradients (of the scaled loss).
@@ -96,10 +97,12 @@ def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[
             out[i] = jnp.zeros(g.shape, compute_dtype(g.dtype))
         else:
             work.append(i)
+    # One reciprocal per compute dtype, rounded once in that dtype (as XLA does).
+    inverses = {d: (1 / scale.astype(d)).reshape(1) for d in {compute_dtype(g.dtype) for g in grads}}
     flags = []
     for c in range(0, len(work), MAX_LEAVES_PER_CALL):
         chunk = work[c : c + MAX_LEAVES_PER_CALL]
-        unscaled, chunk_flags = _unscale_call([grads[i] for i in chunk], scale, interpret)
+        unscaled, chunk_flags = _unscale_call([grads[i] for i in chunk], inverses, interpret)
         for i, u in zip(chunk, unscaled):
             out[i] = u.reshape(grads[i].shape)
         flags.append(chunk_flags)
@@ -108,7 +111,7 @@ def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[
     return out, jnp.min(jnp.concatenate(flags)) > 0
 
 
-def _unscale_call(grads: list, scale: jax.Array, interpret: bool) -> tuple[list, jax.Array]:
+def _unscale_call(grads: list, inverses: dict, interpret: bool) -> tuple[list, jax.Array]:
     """One kernel launch over `grads` (non-empty arrays); returns 1-D outputs and block flags."""
     sizes = [int(g.size) for g in grads]
     blocks = [min(BLOCK, max(MIN_BLOCK, next_pow2(n))) for n in sizes]
@@ -116,8 +119,12 @@ def _unscale_call(grads: list, scale: jax.Array, interpret: bool) -> tuple[list,
     starts = np.cumsum([0, *nblocks]).tolist()
     out_dtypes = [compute_dtype(g.dtype) for g in grads]
     k = len(grads)
+    inv_dtypes = sorted(set(out_dtypes), key=str)
+    ninv = len(inv_dtypes)
 
-    def kernel(scale_ref, *refs):
+    def kernel(*refs):
+        inv_refs = dict(zip(inv_dtypes, refs[:ninv]))
+        refs = refs[ninv:]
         x_refs, o_refs, flag_ref = refs[:k], refs[k : 2 * k], refs[2 * k]
         pid = pl.program_id(0)
         for j in range(k):
@@ -127,8 +134,7 @@ def _unscale_call(grads: list, scale: jax.Array, interpret: bool) -> tuple[list,
                 b, dtype = blocks[j], out_dtypes[j]
                 mask = offsets(b, 0, (b,), pid - starts[j]) < sizes[j]
                 x = pltriton.load(x_refs[j], mask=mask, other=0).astype(dtype)
-                s = jnp.broadcast_to(scale_ref[...].astype(dtype), (b,))
-                u = ieee_div(x, s, interpret=interpret)
+                u = x * jnp.broadcast_to(inv_refs[dtype][...], (b,))
                 pltriton.store(o_refs[j], u, mask=mask)
                 ok = jnp.where(mask, jnp.isfinite(u), True).astype(jnp.int32)
                 flag_ref[...] = jnp.min(ok, keepdims=True)
@@ -142,7 +148,7 @@ def _unscale_call(grads: list, scale: jax.Array, interpret: bool) -> tuple[list,
     *unscaled, flags = pl.pallas_call(
         kernel,
         grid=(grid,),
-        in_specs=[pl.BlockSpec((1,), lambda i: (0,)), *specs],
+        in_specs=[pl.BlockSpec((1,), lambda i: (0,))] * ninv + specs,
         out_specs=[*specs, pl.BlockSpec((1,), lambda i: (i,))],
         out_shape=[
             *(jax.ShapeDtypeStruct((n,), d) for n, d in zip(sizes, out_dtypes)),
@@ -151,5 +157,5 @@ def _unscale_call(grads: list, scale: jax.Array, interpret: bool) -> tuple[list,
         interpret=interpret,
         compiler_params=None if interpret else compiler_params(num_warps=4),
         name="mpjax_unscale_and_check",
-    )(scale.reshape(1), *(g.reshape(-1) for g in grads))
+    )(*(inverses[d] for d in inv_dtypes), *(g.reshape(-1) for g in grads))
     return unscaled, flags
