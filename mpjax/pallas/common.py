@@ -12,6 +12,7 @@ __all__ = [
     "MAX_ELEMENTS",
     "compiler_params",
     "compute_dtype",
+    "reciprocal",
     "next_pow2",
     "offsets",
 ]
@@ -41,6 +42,30 @@ def compute_dtype(dtype) -> np.dtype:
 def offsets(block: int, axis: int, shape: tuple[int, ...], block_index) -> jax.Array:
     """Global indices along `axis` of the elements of a block of `shape`."""
     return block_index * block + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def reciprocal(x: jax.Array, *, interpret: bool) -> jax.Array:
+    """`1 / x` rounded to nearest, as XLA computes it.
+
+    Triton lowers `/` on float32 to the approximate `div.full.f32`; on the GPU this uses the
+    correctly rounded `rcp.rn` instruction instead.
+    """
+    if interpret:
+        return 1 / x
+    if x.dtype == jnp.float32:
+        asm, constraints = "rcp.rn.f32 $0, $1;", "=r,r"
+    elif x.dtype == jnp.float64:
+        asm, constraints = "rcp.rn.f64 $0, $1;", "=l,l"
+    else:
+        raise TypeError(f"reciprocal: float32/float64 only, got {x.dtype}")
+    [out] = pltriton.elementwise_inline_asm(
+        asm,
+        args=[x],
+        constraints=constraints,
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+    )
+    return out
 
 
 # Channel-tiled kernels over an (R, C) view (R = N*H*W rows, C channels contiguous).

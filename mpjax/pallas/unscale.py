@@ -1,6 +1,6 @@
-"""Multi-tensor unscale and finite check of a gradient pytree, as one Pallas kernel per 64 leaves.
+"""Multi-tensor unscale and finite check of a gradient pytree: one Pallas kernel per 128 leaves.
 
-One `pallas_call` covers many leaves at once (like apex's multi-tensor apply): its 1-D grid is the
+One `pallas_call` covers up to 128 leaves at once (like apex's multi-tensor apply): its 1-D grid is the
 concatenation of every leaf's blocks, each grid step finds the leaf it belongs to, reads that
 block once, writes `g * (1 / loss_scale)` in float32 (float64 for float64 leaves) and a 0/1 finite
 flag for its own block. No leaf is copied into a flat buffer: each leaf is passed as its own operand
@@ -24,6 +24,7 @@ from mpjax.pallas.common import (
     compute_dtype,
     next_pow2,
     offsets,
+    reciprocal,
 )
 from mpjax.pallas.dispatch import dispatch
 from mpjax.scaling.loss_scale import _is_floating
@@ -37,7 +38,7 @@ BLOCK = 4096
 MIN_BLOCK = 128
 # Leaves per kernel launch: each leaf adds two pointers to the kernel's parameters (CUDA allows
 # 4 KiB of them) and one branch to the kernel body.
-MAX_LEAVES_PER_CALL = 64
+MAX_LEAVES_PER_CALL = 128
 
 
 def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tuple[Any, jax.Array]:
@@ -97,12 +98,11 @@ def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[
             out[i] = jnp.zeros(g.shape, compute_dtype(g.dtype))
         else:
             work.append(i)
-    # One reciprocal per compute dtype, rounded once in that dtype (as XLA does).
-    inverses = {d: (1 / scale.astype(d)).reshape(1) for d in {compute_dtype(g.dtype) for g in grads}}
+    scales = {d: scale.astype(d).reshape(1) for d in {compute_dtype(g.dtype) for g in grads}}
     flags = []
     for c in range(0, len(work), MAX_LEAVES_PER_CALL):
         chunk = work[c : c + MAX_LEAVES_PER_CALL]
-        unscaled, chunk_flags = _unscale_call([grads[i] for i in chunk], inverses, interpret)
+        unscaled, chunk_flags = _unscale_call([grads[i] for i in chunk], scales, interpret)
         for i, u in zip(chunk, unscaled):
             out[i] = u.reshape(grads[i].shape)
         flags.append(chunk_flags)
@@ -111,7 +111,7 @@ def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[
     return out, jnp.min(jnp.concatenate(flags)) > 0
 
 
-def _unscale_call(grads: list, inverses: dict, interpret: bool) -> tuple[list, jax.Array]:
+def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax.Array]:
     """One kernel launch over `grads` (non-empty arrays); returns 1-D outputs and block flags."""
     sizes = [int(g.size) for g in grads]
     blocks = [min(BLOCK, max(MIN_BLOCK, next_pow2(n))) for n in sizes]
@@ -119,12 +119,16 @@ def _unscale_call(grads: list, inverses: dict, interpret: bool) -> tuple[list, j
     starts = np.cumsum([0, *nblocks]).tolist()
     out_dtypes = [compute_dtype(g.dtype) for g in grads]
     k = len(grads)
-    inv_dtypes = sorted(set(out_dtypes), key=str)
-    ninv = len(inv_dtypes)
+    scale_dtypes = sorted(set(out_dtypes), key=str)
+    nscales = len(scale_dtypes)
 
     def kernel(*refs):
-        inv_refs = dict(zip(inv_dtypes, refs[:ninv]))
-        refs = refs[ninv:]
+        # One reciprocal per compute dtype, rounded once in that dtype (as XLA does), computed
+        # in the kernel: a separate XLA op would cost one more launch per step.
+        inverses = {
+            d: reciprocal(ref[...], interpret=interpret) for d, ref in zip(scale_dtypes, refs)
+        }
+        refs = refs[nscales:]
         x_refs, o_refs, flag_ref = refs[:k], refs[k : 2 * k], refs[2 * k]
         pid = pl.program_id(0)
         for j in range(k):
@@ -134,7 +138,7 @@ def _unscale_call(grads: list, inverses: dict, interpret: bool) -> tuple[list, j
                 b, dtype = blocks[j], out_dtypes[j]
                 mask = offsets(b, 0, (b,), pid - starts[j]) < sizes[j]
                 x = pltriton.load(x_refs[j], mask=mask, other=0).astype(dtype)
-                u = x * jnp.broadcast_to(inv_refs[dtype][...], (b,))
+                u = x * jnp.broadcast_to(inverses[dtype], (b,))
                 pltriton.store(o_refs[j], u, mask=mask)
                 ok = jnp.where(mask, jnp.isfinite(u), True).astype(jnp.int32)
                 flag_ref[...] = jnp.min(ok, keepdims=True)
@@ -148,7 +152,7 @@ def _unscale_call(grads: list, inverses: dict, interpret: bool) -> tuple[list, j
     *unscaled, flags = pl.pallas_call(
         kernel,
         grid=(grid,),
-        in_specs=[pl.BlockSpec((1,), lambda i: (0,))] * ninv + specs,
+        in_specs=[pl.BlockSpec((1,), lambda i: (0,))] * nscales + specs,
         out_specs=[*specs, pl.BlockSpec((1,), lambda i: (i,))],
         out_shape=[
             *(jax.ShapeDtypeStruct((n,), d) for n, d in zip(sizes, out_dtypes)),
@@ -157,5 +161,5 @@ def _unscale_call(grads: list, inverses: dict, interpret: bool) -> tuple[list, j
         interpret=interpret,
         compiler_params=None if interpret else compiler_params(num_warps=4),
         name="mpjax_unscale_and_check",
-    )(*(inverses[d] for d in inv_dtypes), *(g.reshape(-1) for g in grads))
+    )(*(scales[d] for d in scale_dtypes), *(g.reshape(-1) for g in grads))
     return unscaled, flags
