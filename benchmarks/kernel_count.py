@@ -89,7 +89,9 @@ def _flax_dynamic_scale_step(tx):
 
 def _count(step, init, params, grads, sharding, dump_dir) -> collections.Counter:
     def place(tree):
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree
+        )
 
     opt_state = place(jax.eval_shape(init, params))
     grads, params = place(grads), place(params)
@@ -137,12 +139,36 @@ def run(quick: bool = False) -> dict:
     pallas_scaled = mpjax.loss_scaled(adam, unscale_and_check=kernel)
     cases = [
         ("optax.adam (no loss scaling)", "f32", _optax_step(adam), f32, f32),
-        ("flax DynamicScale pattern", "f32", _flax_dynamic_scale_step(adam), carry_params(f32), f32),
-        ("optax.apply_if_finite(adam)", "f32", _optax_step(optax.apply_if_finite(adam, 10)), f32, f32),
+        (
+            "flax DynamicScale pattern",
+            "f32",
+            _flax_dynamic_scale_step(adam),
+            carry_params(f32),
+            f32,
+        ),
+        (
+            "optax.apply_if_finite(adam)",
+            "f32",
+            _optax_step(optax.apply_if_finite(adam, 10)),
+            f32,
+            f32,
+        ),
         ("mpjax.loss_scaled(adam), XLA unscale", "f32", _optax_step(xla_scaled), f32, f32),
         ("mpjax.loss_scaled(adam), Pallas unscale", "f32", _optax_step(pallas_scaled), f32, f32),
-        ("mpjax.loss_scaled(adam), XLA unscale", "bf16 + f32 master", _optax_step(xla_scaled), bf16, bf16),
-        ("mpjax.loss_scaled(adam), Pallas unscale", "bf16 + f32 master", _optax_step(pallas_scaled), bf16, bf16),
+        (
+            "mpjax.loss_scaled(adam), XLA unscale",
+            "bf16 + f32 master",
+            _optax_step(xla_scaled),
+            bf16,
+            bf16,
+        ),
+        (
+            "mpjax.loss_scaled(adam), Pallas unscale",
+            "bf16 + f32 master",
+            _optax_step(pallas_scaled),
+            bf16,
+            bf16,
+        ),
     ]
     rows = []
     baseline = None
@@ -170,9 +196,11 @@ def run(quick: bool = False) -> dict:
 
 def _print(table: dict) -> None:
     print(table["title"])
-    widths = [max(len(str(c)) for c in col) for col in zip(table["columns"], *table["rows"])]
+    widths = [
+        max(len(str(c)) for c in col) for col in zip(table["columns"], *table["rows"], strict=True)
+    ]
     for row in [table["columns"], *table["rows"]]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
     print(table["notes"])
 
 

@@ -266,9 +266,11 @@ def _resnet_rows(small: bool, on_gpu: bool, rounds: int, iters: int) -> list:
 
 def _print(table: dict) -> None:
     print(table["title"])
-    widths = [max(len(str(c)) for c in col) for col in zip(table["columns"], *table["rows"])]
+    widths = [
+        max(len(str(c)) for c in col) for col in zip(table["columns"], *table["rows"], strict=True)
+    ]
     for row in [table["columns"], *table["rows"]]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
     print(table["notes"])
 
 

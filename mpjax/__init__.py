@@ -1,5 +1,6 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
+from mpjax import nn, pallas
 from mpjax.policy import Policy, get_policy
 from mpjax.scaling import (
     DynamicLossScale,
@@ -14,7 +15,6 @@ from mpjax.scaling import (
     scaling_metrics,
     select_tree,
 )
-from mpjax import nn, pallas  # noqa: E402  (after the core: they build on it)
 
 __version__ = "0.1.0"
 

@@ -158,6 +158,4 @@ class ConvBN(nn.Module):
         stats_dtype = jnp.promote_types(mean.dtype, jnp.float32)
         scale = gamma.astype(stats_dtype) * jax.lax.rsqrt(var.astype(stats_dtype) + self.epsilon)
         shift = beta.astype(stats_dtype) - mean.astype(stats_dtype) * scale
-        return conv_epilogue(
-            y, scale, shift, residual, activation=self.activation, impl=self.impl
-        )
+        return conv_epilogue(y, scale, shift, residual, activation=self.activation, impl=self.impl)

@@ -117,7 +117,7 @@ def test_train_mode_matches_flax(dtype, param_dtype, activation, impl, tol):
         )
         assert not np.allclose(upd["batch_stats"][k], v["batch_stats"][k])  # updated
     g, rg = _to_ref_grads(g), rg
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(rg)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(rg), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(b)))
 
@@ -128,7 +128,10 @@ def test_eval_mode_uses_running_statistics():
     rout = ref.apply(rv, x, res, train=False)
     np.testing.assert_allclose(out, rout, atol=1e-5)
     # Different running statistics give a different output: they are what eval mode reads.
-    v2 = {**v, "batch_stats": {"mean": v["batch_stats"]["mean"] + 1.0, "var": v["batch_stats"]["var"]}}
+    v2 = {
+        **v,
+        "batch_stats": {"mean": v["batch_stats"]["mean"] + 1.0, "var": v["batch_stats"]["var"]},
+    }
     assert not np.allclose(ours.apply(v2, x, res, use_running_average=True), out)
 
 
@@ -155,11 +158,16 @@ def test_dtype_and_param_dtype_are_honoured():
     apply = jax.jit(lambda v, x: layer.apply(v, x, use_running_average=False, mutable=True))
     out, _ = apply(v, x)
     assert out.dtype == jnp.bfloat16
-    assert ConvBN(4, param_dtype=jnp.float32, impl="xla").apply(
-        ConvBN(4, impl="xla").init(jax.random.key(0), x, use_running_average=True),
-        x,
-        use_running_average=True,
-    ).dtype == jnp.float32
+    assert (
+        ConvBN(4, param_dtype=jnp.float32, impl="xla")
+        .apply(
+            ConvBN(4, impl="xla").init(jax.random.key(0), x, use_running_average=True),
+            x,
+            use_running_average=True,
+        )
+        .dtype
+        == jnp.float32
+    )
 
 
 def test_axis_name_combines_batch_statistics():
@@ -169,7 +177,10 @@ def test_axis_name_combines_batch_statistics():
     ref = FlaxConvBN(6, axis_name="d")
     v = ours.init(jax.random.key(0), x[0], use_running_average=False)
     rv = {
-        "params": {"conv": v["params"]["conv"], "bn": {k: v["params"][k] for k in ("scale", "bias")}},
+        "params": {
+            "conv": v["params"]["conv"],
+            "bn": {k: v["params"][k] for k in ("scale", "bias")},
+        },
         "batch_stats": {"bn": v["batch_stats"]},
     }
     f = lambda x: ours.apply(v, x, use_running_average=False, mutable=["batch_stats"])
@@ -177,9 +188,13 @@ def test_axis_name_combines_batch_statistics():
     out, upd = jax.jit(jax.vmap(f, axis_name="d"))(x)
     rout, rupd = jax.jit(jax.vmap(rf, axis_name="d"))(x)
     np.testing.assert_allclose(out, rout, atol=1e-5)
-    np.testing.assert_allclose(upd["batch_stats"]["mean"], rupd["batch_stats"]["bn"]["mean"], atol=1e-6)
+    np.testing.assert_allclose(
+        upd["batch_stats"]["mean"], rupd["batch_stats"]["bn"]["mean"], atol=1e-6
+    )
     # Combined statistics are the same on every "device".
-    np.testing.assert_allclose(upd["batch_stats"]["var"][0], upd["batch_stats"]["var"][3], atol=1e-7)
+    np.testing.assert_allclose(
+        upd["batch_stats"]["var"][0], upd["batch_stats"]["var"][3], atol=1e-7
+    )
 
 
 def test_bad_configuration_is_named():

@@ -89,7 +89,7 @@ def _forward_and_grads(y, scale, shift, res, cot, *, activation, impl, out_dtype
         )
 
     out, vjp = jax.vjp(f, y, scale, shift, res)
-    return out, dict(zip(("y", "scale", "shift", "res"), vjp(cot.astype(out.dtype))))
+    return out, dict(zip(("y", "scale", "shift", "res"), vjp(cot.astype(out.dtype)), strict=True))
 
 
 def _assert_rel(got, want, rtol, mag=None):
@@ -102,7 +102,9 @@ def _assert_rel(got, want, rtol, mag=None):
 @pytest.mark.parametrize("dtype,activation,residual", CASES)
 def test_forward_and_backward_match_reference_and_float64(dtype, activation, residual):
     y, scale, shift, res, cot = _inputs(0, SHAPE, dtype, residual)
-    out, grads = _forward_and_grads(y, scale, shift, res, cot, activation=activation, impl="interpret")
+    out, grads = _forward_and_grads(
+        y, scale, shift, res, cot, activation=activation, impl="interpret"
+    )
     xout, xgrads = _forward_and_grads(y, scale, shift, res, cot, activation=activation, impl="xla")
     ref_out, ref_grads, mags = _reference64(y, scale, shift, res, cot, activation)
 
@@ -145,7 +147,9 @@ def test_backward_loops_over_row_groups(monkeypatch):
         _assert_rel(grads[name], ref_grads[name], 1e-5, mag=mags[name])
 
 
-@pytest.mark.parametrize("y_dtype,out_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float16)])
+@pytest.mark.parametrize(
+    "y_dtype,out_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float16)]
+)
 def test_out_dtype_and_non_finite_inputs(y_dtype, out_dtype):
     y, scale, shift, res, cot = _inputs(2, SMALL, y_dtype, True)
     flat = y.reshape(-1)

@@ -72,7 +72,7 @@ def test_non_finite_values_reach_the_sums():
 def test_auto_on_cpu_and_bad_input():
     y = jnp.asarray(np.random.default_rng(3).standard_normal((4, 5)), jnp.float32)
     xla = jax.jit(functools.partial(channel_stats, impl="xla"))
-    for a, b in zip(jax.jit(channel_stats)(y), xla(y)):
+    for a, b in zip(jax.jit(channel_stats)(y), xla(y), strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(TypeError, match="y must be floating"):
         channel_stats(jnp.ones((3, 4), jnp.int32))

@@ -24,9 +24,7 @@ _xla = jax.jit(xla_unscale_and_check)
 
 
 def _grads(rng, dtype, shapes=SHAPES):
-    return {
-        f"g{i}": jnp.asarray(rng.standard_normal(s) * 100, dtype) for i, s in enumerate(shapes)
-    }
+    return {f"g{i}": jnp.asarray(rng.standard_normal(s) * 100, dtype) for i, s in enumerate(shapes)}
 
 
 def _reference(grads, scale):

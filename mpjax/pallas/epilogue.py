@@ -74,9 +74,7 @@ def conv_epilogue(
     if residual is not None:
         residual = check_channels_last(where, "residual", residual)
         if residual.shape != y.shape:
-            raise ValueError(
-                f"{where}: residual has shape {residual.shape}, y has shape {y.shape}"
-            )
+            raise ValueError(f"{where}: residual has shape {residual.shape}, y has shape {y.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     out_dtype = np.dtype(y.dtype if out_dtype is None else out_dtype)
@@ -93,7 +91,9 @@ def conv_epilogue(
         impl,
         (*flat, res),
         kernel=functools.partial(_epilogue_pallas, activation, out_dtype),
-        reference=functools.partial(conv_epilogue_reference, activation=activation, out_dtype=out_dtype),
+        reference=functools.partial(
+            conv_epilogue_reference, activation=activation, out_dtype=out_dtype
+        ),
         unsupported=unsupported,
     )
     return out.reshape(y.shape)

@@ -121,4 +121,3 @@ def _stats_call(y, interpret):
         name="mpjax_channel_stats",
     )(y)
     return jnp.sum(partial_sum, axis=0), jnp.sum(partial_sumsq, axis=0)
-

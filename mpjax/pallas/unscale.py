@@ -1,11 +1,11 @@
 """Multi-tensor unscale and finite check of a gradient pytree: one Pallas kernel per 128 leaves.
 
-One `pallas_call` covers up to 128 leaves at once (like apex's multi-tensor apply): its 1-D grid is the
-concatenation of every leaf's blocks, each grid step finds the leaf it belongs to, reads that
-block once, writes `g * (1 / loss_scale)` in float32 (float64 for float64 leaves) and a 0/1 finite
-flag for its own block. No leaf is copied into a flat buffer: each leaf is passed as its own operand
-(a free reshape to 1-D). The per-block flags are reduced outside the kernel, so no flag is shared
-between grid steps (that would race on the GPU).
+One `pallas_call` covers up to 128 leaves at once (like apex's multi-tensor apply): its 1-D grid
+is the concatenation of every leaf's blocks, each grid step finds the leaf it belongs to, reads
+that block once, writes `g * (1 / loss_scale)` in float32 (float64 for float64 leaves) and a 0/1
+finite flag for its own block. No leaf is copied into a flat buffer: each leaf is passed as its
+own operand (a free reshape to 1-D). The per-block flags are reduced outside the kernel, so no
+flag is shared between grid steps (that would race on the GPU).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
     scale = jnp.asarray(loss_scale)
     if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(
-            f"unscale_and_check: loss_scale must be a floating scalar, got {scale.dtype}{scale.shape}"
+            "unscale_and_check: loss_scale must be a floating scalar, "
+            f"got {scale.dtype}{scale.shape}"
         )
     scale = scale.astype(jnp.float32)
     where = [i for i, x in enumerate(leaves) if _is_floating(x)]
@@ -85,7 +86,7 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
         unsupported=f"leaves of shapes {too_big} exceed 2**31 elements" if too_big else None,
     )
     out = list(leaves)
-    for i, u in zip(where, unscaled):
+    for i, u in zip(where, unscaled, strict=True):
         out[i] = u
     return jax.tree.unflatten(treedef, out), finite
 
@@ -103,7 +104,7 @@ def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[
     for c in range(0, len(work), MAX_LEAVES_PER_CALL):
         chunk = work[c : c + MAX_LEAVES_PER_CALL]
         unscaled, chunk_flags = _unscale_call([grads[i] for i in chunk], scales, interpret)
-        for i, u in zip(chunk, unscaled):
+        for i, u in zip(chunk, unscaled, strict=True):
             out[i] = u.reshape(grads[i].shape)
         flags.append(chunk_flags)
     if not flags:
@@ -115,7 +116,7 @@ def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax
     """One kernel launch over `grads` (non-empty arrays); returns 1-D outputs and block flags."""
     sizes = [int(g.size) for g in grads]
     blocks = [min(BLOCK, max(MIN_BLOCK, next_pow2(n))) for n in sizes]
-    nblocks = [pl.cdiv(n, b) for n, b in zip(sizes, blocks)]
+    nblocks = [pl.cdiv(n, b) for n, b in zip(sizes, blocks, strict=True)]
     starts = np.cumsum([0, *nblocks]).tolist()
     out_dtypes = [compute_dtype(g.dtype) for g in grads]
     k = len(grads)
@@ -126,7 +127,8 @@ def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax
         # One reciprocal per compute dtype, rounded once in that dtype (as XLA does), computed
         # in the kernel: a separate XLA op would cost one more launch per step.
         inverses = {
-            d: reciprocal(ref[...], interpret=interpret) for d, ref in zip(scale_dtypes, refs)
+            d: reciprocal(ref[...], interpret=interpret)
+            for d, ref in zip(scale_dtypes, refs[:nscales], strict=True)
         }
         refs = refs[nscales:]
         x_refs, o_refs, flag_ref = refs[:k], refs[k : 2 * k], refs[2 * k]
@@ -155,7 +157,7 @@ def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax
         in_specs=[pl.BlockSpec((1,), lambda i: (0,))] * nscales + specs,
         out_specs=[*specs, pl.BlockSpec((1,), lambda i: (i,))],
         out_shape=[
-            *(jax.ShapeDtypeStruct((n,), d) for n, d in zip(sizes, out_dtypes)),
+            *(jax.ShapeDtypeStruct((n,), d) for n, d in zip(sizes, out_dtypes, strict=True)),
             jax.ShapeDtypeStruct((grid,), jnp.int32),
         ],
         interpret=interpret,
