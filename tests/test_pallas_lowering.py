@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mpjax.pallas import channel_stats, conv_epilogue, unscale_and_check
+from mpjax.pallas import channel_stats, common, conv_epilogue, unscale_and_check
 
 TRITON = "__gpu$xla.gpu.triton"
 
@@ -79,3 +79,22 @@ def test_channel_stats_forward_and_backward():
         return jnp.sum(s) + jnp.sum(ss)
 
     assert _kernels(_cuda_text(jax.value_and_grad(loss), y)) == ["mpjax_channel_stats"]
+
+
+def test_reducing_kernels_with_row_group_loops(monkeypatch):
+    # Large inputs make each program loop over several row blocks; force that on a small one.
+    monkeypatch.setattr(common, "MAX_ROW_GROUPS", 2)
+    y = jnp.ones((1, 9, 8, 300), jnp.bfloat16)
+    v = jnp.ones((300,), jnp.float32)
+
+    def loss(y, scale, shift):
+        s, ss = channel_stats(y, impl="pallas")
+        out = conv_epilogue(y, scale * s, shift + ss, y, activation="silu", impl="pallas")
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = _cuda_text(jax.grad(loss, argnums=(0, 1, 2)), y, v, v)
+    assert _kernels(text) == [
+        "mpjax_channel_stats",
+        "mpjax_conv_epilogue_bwd",
+        "mpjax_conv_epilogue_fwd",
+    ]

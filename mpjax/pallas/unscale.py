@@ -36,8 +36,8 @@ __all__ = ["unscale_and_check", "BLOCK", "MAX_LEAVES_PER_CALL"]
 BLOCK = 4096
 # Smallest block: one element per thread of 4 warps.
 MIN_BLOCK = 128
-# Leaves per kernel launch: each leaf adds two pointers to the kernel's parameters (CUDA allows
-# 4 KiB of them) and one branch to the kernel body.
+# Leaves per kernel launch: each leaf adds two pointers (16 bytes) to the kernel's parameters
+# (128 leaves take about 2 KiB of CUDA's 4 KiB) and one branch to the kernel body.
 MAX_LEAVES_PER_CALL = 128
 
 
