@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -157,6 +158,7 @@ def loss_scaled(
     max_consecutive_skips: int | None = None,
     check_new_values: bool | str = "auto",
     skip_impl: str = "auto",
+    impl: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` with loss scaling, FP32 master weights and finite-check skip steps.
 
@@ -183,8 +185,8 @@ def loss_scaled(
         precision params are then widened to float32 for each update and rounded back).
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
-      unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`;
-        None uses plain XLA ops.
+      unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
+        replacing the built-in one; None uses `mpjax.pallas.unscale_and_check` with `impl`.
       max_consecutive_skips: if set, the step that would be the N-th non-finite step in
         a row raises `TrainingDivergedError` from inside the compiled step (it reaches
         Python as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error
@@ -201,6 +203,9 @@ def loss_scaled(
         under `lax.cond` (on XLA:CPU, selecting over donated buffers costs a copy of the
         optimizer state per step); "auto" uses "cond" on CPU and "select" elsewhere.
         The results are the same.
+      impl: the unscale + finite check: "auto" (the multi-tensor Pallas kernel on CUDA
+        GPUs — one launch per 128 leaves instead of a reduction per leaf — plain XLA
+        elsewhere), "pallas", "interpret" or "xla".
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -241,7 +246,16 @@ def loss_scaled(
             f"got {max_consecutive_skips!r}"
         )
     inner = optax.with_extra_args_support(inner)
-    check = xla_unscale_and_check if unscale_and_check is None else unscale_and_check
+    if unscale_and_check is None:
+        # Imported here: the kernels build on this module's XLA reference.
+        from mpjax.pallas.dispatch import IMPLS
+        from mpjax.pallas.unscale import unscale_and_check as kernel
+
+        if impl not in IMPLS:
+            raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
+        check = functools.partial(kernel, impl=impl)
+    else:
+        check = unscale_and_check
 
     def init_fn(params):
         master = jax.tree.map(
