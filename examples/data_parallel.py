@@ -42,11 +42,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
+from pathlib import Path
 from typing import Any, NamedTuple
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -54,77 +58,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpjax
+from examples.digits_cnn import (
+    PRECISIONS,
+    global_batch_indices,
+    init_state,
+    load_data,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    precision_policy,
+)
+from mpjax.scaling import find_loss_scaled_state
 
 AXIS = "data"
 MODES = ("single", "pmap", "pjit", "shard_map")
-PRECISIONS = {
-    "fp32": "params=float32,compute=float32,output=float32",
-    "bf16": "params=bfloat16,compute=bfloat16,output=float32",
-    "fp16": "params=float16,compute=float16,output=float32",
-}
-
-
-# ---------------------------------------------------------------------------- model and data
-
-
-def precision_policy(precision: str) -> mpjax.Policy:
-    """The mpjax `Policy` of a ``--precision`` name (fp32, bf16, fp16)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    return mpjax.get_policy(PRECISIONS[precision])
-
-
-def default_loss_scale(precision: str) -> mpjax.LossScale:
-    """Dynamic loss scaling for fp16; bf16 and fp32 have the range of fp32 and need none."""
-    precision_policy(precision)
-    return mpjax.DynamicLossScale() if precision == "fp16" else mpjax.NoOpLossScale()
-
-
-def flax_dtypes(policy: mpjax.Policy) -> dict[str, Any]:
-    """The Flax ``dtype``/``param_dtype`` fields a policy sets (until `mpjax.apply_policy`)."""
-    return {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
-
-
-class CNN(nn.Module):
-    """A small CNN for 8x8 digits; every layer runs in `dtype` with params in `param_dtype`."""
-
-    num_classes: int = 10
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    output_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        x = x.astype(self.dtype)
-        x = nn.relu(nn.Conv(16, (3, 3), **kw)(x))
-        x = nn.relu(nn.Conv(32, (3, 3), strides=(2, 2), **kw)(x))
-        x = x.reshape((x.shape[0], -1))
-        x = nn.relu(nn.Dense(64, **kw)(x))
-        return nn.Dense(self.num_classes, **kw)(x).astype(self.output_dtype)
-
-
-def make_model(policy: mpjax.Policy) -> nn.Module:
-    """The model, in the dtypes of `policy` (the one place to swap in another model)."""
-    return CNN(**flax_dtypes(policy), output_dtype=policy.output_dtype)
-
-
-def load_data(test_fraction: float = 0.25, seed: int = 0):
-    """sklearn digits as ``((x_train, y_train), (x_test, y_test))``; x is (N, 8, 8, 1) in [0, 1]."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]
-    y = digits.target.astype(np.int32)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    n_test = int(len(y) * test_fraction)
-    test, train = perm[:n_test], perm[n_test:]
-    return (x[train], y[train]), (x[test], y[test])
-
-
-def global_batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-    """The example indices of the global batch of `step`: the same in every process."""
-    return np.random.default_rng([seed, step]).choice(n, batch_size, replace=False)
 
 
 def local_rows(batch_size: int) -> slice:
@@ -136,34 +83,6 @@ def local_rows(batch_size: int) -> slice:
         )
     local = batch_size // count
     return slice(index * local, (index + 1) * local)
-
-
-# ------------------------------------------------------------------------- training step
-
-
-def make_optimizer(
-    precision: str,
-    *,
-    lr: float = 1e-3,
-    loss_scale: mpjax.LossScale | None = None,
-    axis_name: str | None = None,
-) -> optax.GradientTransformation:
-    """Adam inside `mpjax.loss_scaled` (fp32 master weights, skip on non-finite grads)."""
-    if loss_scale is None:
-        loss_scale = default_loss_scale(precision)
-    return mpjax.loss_scaled(optax.adam(lr), loss_scale, axis_name=axis_name)
-
-
-def loss_fn(model: nn.Module, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy, in float32."""
-    logits = model.apply({"params": params}, x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-def init_state(model: nn.Module, tx: optax.GradientTransformation, key: jax.Array):
-    """Fresh ``(params, opt_state)``."""
-    params = model.init(key, jnp.zeros((1, 8, 8, 1), jnp.float32))["params"]
-    return params, tx.init(params)
 
 
 def scaled_grads(model, params, opt_state, x, y, *, loss_axis: str | None = None):
@@ -486,7 +405,7 @@ def main(argv=None) -> dict:
         m = unreplicated(dp, metrics)
         if args.save:
             record["params"].append(unreplicated(dp, params))
-            master = mpjax.find_loss_scaled_state(opt_state).master
+            master = find_loss_scaled_state(opt_state).master
             record["master"].append(unreplicated(dp, master))
             record["metrics"].append(m)
         if lead and args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
@@ -509,7 +428,7 @@ def main(argv=None) -> dict:
         callback=log,
     )
     acc = accuracy(model, unreplicated(dp, params), test_data)
-    final = dict(unreplicated(dp, mpjax.scaling_metrics(opt_state)))
+    final = jax.tree.map(np.asarray, mpjax.scaling_metrics(unreplicated(dp, opt_state)))
     final["test_accuracy"] = acc
     if lead:
         print(f"test accuracy {acc:.3f}")
