@@ -131,15 +131,18 @@ class DataParallel(NamedTuple):
 
     Attributes:
       mode: one of `MODES`.
-      init: ``seed -> (params, opt_state)``, placed for the mode (pmap: one copy per device
-        along a leading axis).
-      step: ``(params, opt_state, x, y) -> (params, opt_state, metrics)``.
-      put_batch: ``(x, y)`` of this process's rows (numpy) -> device arrays for `step`.
+      init: ``seed -> (params, opt_state)``, created in place (pmap: one copy per local
+        device along a leading axis).
+      place: ``(params, opt_state)`` on the host -> placed like `init`'s result.
+      step: ``(params, opt_state, x, y) -> (params, opt_state, metrics)``; donates its
+        params and state.
+      put_batch: ``(x, y)``, this process's rows (numpy) -> device arrays for `step`.
       mesh: the mesh (pjit, shard_map), else None.
     """
 
     mode: str
     init: Any
+    place: Any
     step: Any
     put_batch: Any
     mesh: Mesh | None
@@ -151,6 +154,7 @@ def make_data_parallel(
     *,
     lr: float = 1e-3,
     loss_scale: mpjax.LossScale | None = None,
+    inner: optax.GradientTransformation | None = None,
     zero: bool = False,
     devices: list | None = None,
     grad_hook: Any = None,
@@ -161,12 +165,13 @@ def make_data_parallel(
     Args:
       mode: "single", "pmap", "pjit" or "shard_map".
       precision: "fp16", "bf16" or "fp32".
-      lr: Adam learning rate.
+      lr: learning rate of the default Adam.
       loss_scale: an mpjax `LossScale`; None picks `default_loss_scale(precision)`.
+      inner: the optax optimizer inside `loss_scaled`; None means ``optax.adam(lr)``.
       zero: pjit only: shard master weights and optimizer state over the data axis.
       devices: the devices (default: all; "single" uses the first).
       grad_hook: pmap only: ``grads -> grads`` applied to each device's gradients before the
-        ``pmean`` (used to inject faults).
+        ``pmean`` (to inject faults).
       model: the Flax model; None means `make_model(precision_policy(precision))`.
 
     Returns:
@@ -182,23 +187,23 @@ def make_data_parallel(
     devices = list(jax.devices() if devices is None else devices)
     per_device = mode in ("pmap", "shard_map")
     tx = make_optimizer(
-        precision, lr=lr, loss_scale=loss_scale, axis_name=AXIS if per_device else None
+        precision, lr=lr, loss_scale=loss_scale, inner=inner, axis_name=AXIS if per_device else None
     )
     init_fn = functools.partial(init_state, model, tx)
 
+    def global_body(params, opt_state, x, y):
+        loss, grads = scaled_grads(model, params, opt_state, x, y)
+        return apply_grads(tx, params, opt_state, grads, loss)
+
     if mode == "single":
         device = devices[0]
-
-        def single_body(params, opt_state, x, y):
-            loss, grads = scaled_grads(model, params, opt_state, x, y)
-            return apply_grads(tx, params, opt_state, grads, loss)
-
-        init = jax.jit(init_fn)
+        place = functools.partial(jax.device_put, device=device)
         return DataParallel(
             mode,
-            lambda seed: jax.device_put(init(jax.random.key(seed)), device),
-            jax.jit(single_body, donate_argnums=(0, 1)),
-            lambda x, y: jax.device_put((x, y), device),
+            lambda seed: place(jax.jit(init_fn)(jax.random.key(seed))),
+            place,
+            jax.jit(global_body, donate_argnums=(0, 1)),
+            lambda x, y: place((x, y)),
             None,
         )
 
@@ -213,17 +218,22 @@ def make_data_parallel(
             grads, loss = lax.pmean((grads, loss), AXIS)
             return apply_grads(tx, params, opt_state, grads, loss)
 
-        def pmap_init(seed):
-            state = jax.device_get(jax.jit(init_fn)(jax.random.key(seed)))
-            rep = jax.tree.map(lambda a: np.broadcast_to(a, (len(local),) + np.shape(a)), state)
-            return jax.device_put(rep, stacked)
+        def pmap_place(state):
+            copies = jax.tree.map(lambda a: np.broadcast_to(a, (len(local),) + np.shape(a)), state)
+            return jax.device_put(copies, stacked)
 
         def pmap_batch(x, y):
             split = lambda a: a.reshape((len(local), -1) + a.shape[1:])
             return jax.device_put((split(x), split(y)), stacked)
 
-        step = jax.pmap(pmap_body, axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
-        return DataParallel(mode, pmap_init, step, pmap_batch, None)
+        return DataParallel(
+            mode,
+            lambda seed: pmap_place(jax.device_get(jax.jit(init_fn)(jax.random.key(seed)))),
+            pmap_place,
+            jax.pmap(pmap_body, axis_name=AXIS, devices=devices, donate_argnums=(0, 1)),
+            pmap_batch,
+            None,
+        )
 
     mesh = Mesh(np.array(devices), (AXIS,))
     replicated = NamedSharding(mesh, P())
@@ -236,11 +246,7 @@ def make_data_parallel(
         opt_sh = jax.tree.map(lambda _: replicated, abstract_opt)
 
     if mode == "pjit":
-
-        def body(params, opt_state, x, y):
-            loss, grads = scaled_grads(model, params, opt_state, x, y)
-            return apply_grads(tx, params, opt_state, grads, loss)
-
+        body = global_body
     else:
         # shard_map: params enter replicated, so `jax.grad` of a per-device loss would
         # return the *sum* of the per-device gradients already (the transpose of the
@@ -263,6 +269,7 @@ def make_data_parallel(
         out_shardings=(param_sh, opt_sh, replicated),
         donate_argnums=(0, 1),
     )
+    # Created in place: with zero=True no device ever holds the whole optimizer state.
     init = jax.jit(init_fn, out_shardings=(param_sh, opt_sh))
 
     def put_batch(x, y):
@@ -274,7 +281,14 @@ def make_data_parallel(
             for a in (x, y)
         )
 
-    return DataParallel(mode, lambda seed: init(jax.random.key(seed)), step, put_batch, mesh)
+    return DataParallel(
+        mode,
+        lambda seed: init(jax.random.key(seed)),
+        lambda state: jax.device_put(state, (param_sh, opt_sh)),
+        step,
+        put_batch,
+        mesh,
+    )
 
 
 # ------------------------------------------------------------------------ loop and launcher

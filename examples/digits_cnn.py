@@ -88,11 +88,16 @@ def make_optimizer(
     lr: float = 1e-3,
     loss_scale: mpjax.LossScale | None = None,
     axis_name: str | None = None,
+    inner: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
-    """Adam inside `mpjax.loss_scaled` (fp32 master weights, skip on non-finite grads)."""
+    """`inner` (default Adam) inside `mpjax.loss_scaled`: fp32 master weights, skip steps.
+
+    `axis_name` is the mapped axis (pmap, shard_map) the skip decision is combined over.
+    """
     if loss_scale is None:
         loss_scale = default_loss_scale(precision)
-    return mpjax.loss_scaled(optax.adam(lr), loss_scale, axis_name=axis_name)
+    inner = optax.adam(lr) if inner is None else inner
+    return mpjax.loss_scaled(inner, loss_scale, axis_name=axis_name)
 
 
 def loss_fn(model: nn.Module, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
