@@ -416,13 +416,17 @@ def main(argv=None) -> dict:
     record: dict[str, list] = {"params": [], "master": [], "metrics": []}
 
     def log(step, params, opt_state, metrics):
+        last = step == args.steps - 1
+        printing = lead and args.log_every and (step % args.log_every == 0 or last)
+        if not (printing or args.save):
+            return  # no host sync on this step
         m = unreplicated(dp, metrics)
         if args.save:
             record["params"].append(unreplicated(dp, params))
             master = find_loss_scaled_state(opt_state).master
             record["master"].append(unreplicated(dp, master))
             record["metrics"].append(m)
-        if lead and args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
+        if printing:
             print(
                 f"step {step:5d}  loss {float(m['loss']):.4f}  "
                 f"scale {float(m['loss_scale']):g}  finite {bool(m['grads_finite'])}  "
