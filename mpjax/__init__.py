@@ -1,6 +1,7 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax import policy, scaling
+from mpjax import inference, policy, scaling
+from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import Policy, get_policy
 from mpjax.scaling import (
     DynamicLossScale,
@@ -23,6 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "FoldReport",
+    "InferenceModel",
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
@@ -30,9 +33,11 @@ __all__ = [
     "StaticLossScale",
     "TrainingDivergedError",
     "all_finite",
+    "convert_for_inference",
     "find_loss_scaled_state",
     "get_loss_scale",
     "get_policy",
+    "inference",
     "loss_scaled",
     "nonfinite_report",
     "policy",
