@@ -113,6 +113,21 @@ class DenseBN(nn.Module):
         return nn.Dense(3)(x)
 
 
+class SetupSequential(nn.Module):
+    """Submodules from `setup`, one pair inside `nn.Sequential`."""
+
+    def setup(self):
+        self.conv = nn.Conv(8, (3, 3), use_bias=False)
+        self.bn = nn.BatchNorm(use_running_average=True)
+        self.seq = nn.Sequential(
+            [nn.Conv(8, (3, 3)), nn.BatchNorm(use_running_average=True), nn.relu]
+        )
+        self.head = nn.Dense(3)
+
+    def __call__(self, x):
+        return self.head(self.seq(nn.relu(self.bn(self.conv(x)))).mean(axis=(1, 2)))
+
+
 # BatchNorms that must stay unfolded, with a fragment of the reason each must report.
 class BNOnInput(nn.Module):
     @nn.compact
@@ -317,6 +332,18 @@ def test_dense_batchnorm_folds(dtype):
     assert "bias" in params["Dense_1"]  # use_bias=False layer carries the folded shift
     assert all(v.dtype == jnp.float32 for v in params["LayerNorm_0"].values())
     ref = reference64(model, variables, x, train=False)
+    assert rel_err(converted(x), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_setup_and_sequential_models_fold(dtype):
+    model = SetupSequential()
+    x = jax.random.normal(jax.random.key(1), (3, 6, 6, 3))
+    variables = randomize_stats(model.init(jax.random.key(0), x), seed=6)
+    converted = mpjax.convert_for_inference(model, variables, POLICY[dtype], example_inputs=x[:1])
+    assert sorted(converted.report.folded) == [("conv", "bn"), ("seq/layers_0", "seq/layers_1")]
+    assert set(converted.variables["params"]["seq"]) == {"layers_0"}
+    ref = reference64(model, variables, x)
     assert rel_err(converted(x), ref) < TOL[dtype]
 
 

@@ -129,13 +129,16 @@ class _Runner:
 
 
 def _cast_params(node: Any, path: Path, norm_paths: set, storage, norm_dtype) -> Any:
-    if path in norm_paths:
-        return cast_floating(node, norm_dtype)
-    if isinstance(node, Mapping):
-        return {
-            k: _cast_params(v, (*path, k), norm_paths, storage, norm_dtype) for k, v in node.items()
-        }
-    return cast_floating(node, storage)
+    """Casts params to `storage`, except the own leaves of norm modules (to `norm_dtype`)."""
+    if not isinstance(node, Mapping):
+        return cast_floating(node, storage)
+    own = norm_dtype if path in norm_paths else storage
+    return {
+        k: _cast_params(v, (*path, k), norm_paths, storage, norm_dtype)
+        if isinstance(v, Mapping)
+        else cast_floating(v, own)
+        for k, v in node.items()
+    }
 
 
 def _set(tree: dict, path: Path, key: str, value: Any) -> None:
