@@ -2,7 +2,7 @@
 
 from mpjax import inference, policy, scaling
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
-from mpjax.policy import Policy, get_policy
+from mpjax.policy import DEFAULTS, NO_DEFAULTS, Defaults, Policy, apply_policy, get_policy
 from mpjax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -23,6 +23,9 @@ from mpjax.scaling import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULTS",
+    "Defaults",
+    "NO_DEFAULTS",
     "DynamicLossScale",
     "FoldReport",
     "InferenceModel",
@@ -33,6 +36,7 @@ __all__ = [
     "StaticLossScale",
     "TrainingDivergedError",
     "all_finite",
+    "apply_policy",
     "convert_for_inference",
     "find_loss_scaled_state",
     "get_loss_scale",
