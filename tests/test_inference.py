@@ -366,6 +366,40 @@ def test_unfoldable_batchnorm_left_in_place(case, dtype):
     assert rel_err(jax.jit(converted.apply)(converted.variables, x), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("how", ["wrapped", "rules"])
+def test_apply_policy_rules(how):
+    model = ResNetBlock()
+    x = jax.random.normal(jax.random.key(1), (3, 8, 8, 8))
+    variables = randomize_stats(model.init(jax.random.key(0), x), seed=7)
+    rules = {"*": "p=f32,c=bf16", "Conv_3": "f32"}  # the shortcut conv stays float32
+    if how == "wrapped":
+        converted = mpjax.convert_for_inference(
+            mpjax.apply_policy(model, rules), variables, example_inputs=x[:1], apply_kwargs=EVAL
+        )
+    else:
+        converted = mpjax.convert_for_inference(
+            model, variables, rules, example_inputs=x[:1], apply_kwargs=EVAL
+        )
+    assert len(converted.report.folded) == 4
+    params = converted.variables["params"]
+    assert set(converted.variables) == {"params"}
+    for name in ("Conv_0", "Conv_1", "Conv_2"):
+        assert {v.dtype for v in params[name].values()} == {jnp.dtype(jnp.bfloat16)}
+    assert {v.dtype for v in params["Conv_3"].values()} == {jnp.dtype(jnp.float32)}
+    out = jax.jit(converted.apply)(converted.variables, x)
+    assert out.dtype == jnp.float32  # apply_policy's default: the root's outputs in float32
+    ref = reference64(model, variables, x, train=False)
+    assert rel_err(out, ref) < TOL["bfloat16"]
+
+
+def test_apply_policy_wrapped_model_refuses_a_second_policy():
+    model = mpjax.apply_policy(DenseBN(), "c=bf16")
+    x = jnp.ones((2, 12))
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="wrapped by apply_policy"):
+        mpjax.convert_for_inference(model, variables, "f32", example_inputs=x, apply_kwargs=EVAL)
+
+
 def test_fold_batchnorm_false_only_casts():
     model = ResNetBlock()
     x = jax.random.normal(jax.random.key(1), (2, 8, 8, 8))

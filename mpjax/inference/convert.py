@@ -13,8 +13,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from flax.core import meta, unfreeze
 
+from mpjax.inference.runtime import PolicyRunner, Runner
 from mpjax.inference.trace import (
-    LINEAR_TYPES,
     NORM_TYPES,
     FoldReport,
     Path,
@@ -22,6 +22,8 @@ from mpjax.inference.trace import (
     path_str,
     trace_model,
 )
+from mpjax.policy.apply import apply_policy
+from mpjax.policy.linen import PolicyModule, linen_module_policies
 from mpjax.policy.policy import Policy, cast_floating, get_policy
 
 __all__ = ["InferenceModel", "convert_for_inference", "fold_batchnorm_params"]
@@ -87,58 +89,20 @@ def fold_batchnorm_params(
     return f(kernel) * s, b
 
 
-class _Runner:
-    """The interceptor of the converted forward pass: per-call state only."""
-
-    def __init__(self, folded_norms, folded_linears, compute_dtype, storage_dtype):
-        self.folded_norms = folded_norms
-        self.folded_linears = folded_linears
-        self.compute_dtype = compute_dtype
-        self.storage_dtype = storage_dtype
-        self.inner = False
-
-    def __call__(self, next_fun, args, kwargs, context):
-        module = context.module
-        kind = type(module)
-        if self.inner or context.method_name != "__call__" or module.scope is None:
-            return next_fun(*args, **kwargs)
-        path = tuple(module.scope.path)
-        if kind is nn.BatchNorm and path in self.folded_norms:
-            return args[0]  # folded into the preceding Conv/Dense
-        if kind in LINEAR_TYPES:
-            # Re-run the layer as an unbound clone: compute in the policy's dtype whatever
-            # `dtype` the model set, and with a bias when a BatchNorm was folded into it.
-            clone = module.clone(
-                parent=None,
-                dtype=self.compute_dtype,
-                param_dtype=self.storage_dtype,
-                use_bias=module.use_bias or path in self.folded_linears,
-            )
-            params = module.variables.get("params", {})
-            self.inner = True
-            try:
-                return clone.apply(
-                    {"params": params}, *cast_floating(args, self.compute_dtype), **kwargs
-                )
-            finally:
-                self.inner = False
-        if kind in NORM_TYPES:
-            # float32 statistics and parameters; the result goes on in the compute dtype.
-            return cast_floating(next_fun(*args, **kwargs), self.compute_dtype)
-        return next_fun(*args, **kwargs)
-
-
-def _cast_params(node: Any, path: Path, norm_paths: set, storage, norm_dtype) -> Any:
-    """Casts params to `storage`, except the own leaves of norm modules (to `norm_dtype`)."""
-    if not isinstance(node, Mapping):
-        return cast_floating(node, storage)
-    own = norm_dtype if path in norm_paths else storage
+def _cast_params(node: Any, path: Path, own_dtype: Callable[[Path], Any]) -> Any:
+    """Casts each module's own floating params to `own_dtype(path)` (None: left as they are)."""
+    dtype = own_dtype(path)
     return {
-        k: _cast_params(v, (*path, k), norm_paths, storage, norm_dtype)
+        k: _cast_params(v, (*path, k), own_dtype)
         if isinstance(v, Mapping)
-        else cast_floating(v, own)
+        else (v if dtype is None else cast_floating(v, dtype))
         for k, v in node.items()
     }
+
+
+def _narrower(policy: Policy) -> Any:
+    """The dtype inference stores weights in: the narrower of param and compute dtypes."""
+    return min(policy.compute_dtype, policy.param_dtype, key=lambda d: d.itemsize)
 
 
 def _set(tree: dict, path: Path, key: str, value: Any) -> None:
@@ -174,7 +138,7 @@ def _used_collections(fn, variables: dict, inputs: Sequence[Any]) -> set[str]:
 def convert_for_inference(
     model: nn.Module,
     variables: Mapping[str, Any],
-    policy: str | Policy = "compute=bfloat16",
+    policy: str | Policy | Mapping | None = None,
     *,
     example_inputs: Any,
     fold_batchnorm: bool = True,
@@ -185,19 +149,28 @@ def convert_for_inference(
     Every `nn.Conv`/`nn.Dense` → `nn.BatchNorm` pair (the BatchNorm's input is the
     layer's direct output and nothing else reads that output; see
     `mpjax.inference.trace`) is folded into the layer's kernel and bias in float32,
-    then stored in the narrower of the policy's param and compute dtypes; the
-    BatchNorm becomes the identity. Norms that cannot be folded (and every other
-    `LayerNorm`/`GroupNorm`/`RMSNorm`/`InstanceNorm`) keep float32 parameters and
-    statistics. Collections the inference pass does not read (folded `batch_stats`,
-    `intermediates`, ...) are dropped. The returned `apply` casts floating inputs to
-    the compute dtype, runs every Conv/Dense in the compute dtype, norms in float32
-    (their result cast back to the compute dtype), and casts outputs to the policy's
-    output dtype.
+    then stored in the narrower of the param and compute dtypes; the BatchNorm becomes
+    the identity. Collections the inference pass does not read (folded `batch_stats`,
+    `intermediates`, ...) are dropped.
+
+    With a single policy (a `Policy` or spec string), `apply` casts floating inputs to
+    the compute dtype, runs every Conv/Dense in the compute dtype (whatever `dtype`
+    the model set), every norm (`BatchNorm` left unfolded, `LayerNorm`, `GroupNorm`,
+    `RMSNorm`, `InstanceNorm`) on float32 parameters and statistics (its result cast
+    back to the compute dtype), and casts outputs to the output dtype.
+
+    With per-module rules (`model` wrapped by `mpjax.apply_policy`, or `policy` a rule
+    mapping as `apply_policy` takes), the inference pass runs under those rules and
+    their default lists exactly as `apply_policy` runs training, and each module's
+    weights are stored in the narrower of its own resolved param and compute dtypes
+    (so float32-listed norms keep float32).
 
     Args:
-      model: the linen module.
+      model: the linen module, or the result of `mpjax.apply_policy(model, rules)`.
       variables: its trained variables (`params`, `batch_stats`, ...).
-      policy: a `Policy` or spec string; the default gives bfloat16 weights and compute.
+      policy: a `Policy`, spec string or `apply_policy` rule mapping; None means
+        `"compute=bfloat16"` (bfloat16 weights and compute), or for a model wrapped by
+        `apply_policy`, its own rules.
       example_inputs: an input array or `jax.ShapeDtypeStruct` (or a tuple of them for
         several positional inputs); used once, to trace the model.
       fold_batchnorm: fold BatchNorms (True) or only cast (False).
@@ -206,10 +179,12 @@ def convert_for_inference(
 
     Returns:
       An `InferenceModel(apply, variables, report, policy)`; `apply(variables, *inputs)`.
+      `policy` is the single policy, or under rules the root module's policy.
 
     Raises:
       TypeError: `model` is not a linen module.
-      ValueError: no `params` collection, or a BatchNorm runs in training mode.
+      ValueError: no `params` collection, a BatchNorm runs in training mode, or a
+        policy is given for a model already wrapped by `apply_policy`.
 
     Example:
       >>> infer = mpjax.convert_for_inference(model, variables, "compute=bfloat16",
@@ -232,20 +207,41 @@ def convert_for_inference(
             f"convert_for_inference: apply_kwargs must be a mapping, got "
             f"{type(apply_kwargs).__name__}"
         )
-    policy = get_policy(policy)
+    if isinstance(model, PolicyModule) and policy is not None:
+        raise ValueError(
+            "convert_for_inference: the model is wrapped by apply_policy, which sets its "
+            f"policies; pass policy=None (got {policy!r})"
+        )
+    if isinstance(policy, Mapping):
+        model = apply_policy(model, policy)
+    wrapped = model if isinstance(model, PolicyModule) else None
+    if wrapped is not None:
+        model = wrapped.module
+    else:
+        policy = get_policy("compute=bfloat16" if policy is None else policy)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
-    apply = functools.partial(model.apply, **dict(apply_kwargs or {}))
+    apply_kwargs = dict(apply_kwargs or {})
+    apply = functools.partial(model.apply, **apply_kwargs)
     variables = unfreeze(meta.unbox(variables))
     trace = trace_model(apply, variables, example_inputs, fold_batchnorm)
 
-    compute = policy.compute_dtype
-    storage = min(policy.compute_dtype, policy.param_dtype, key=lambda d: d.itemsize)
-    norm_dtype = jnp.promote_types(jnp.float32, compute)
-    norm_paths = {c.path for c in trace.calls if c.kind in NORM_TYPES}
+    if wrapped is None:
+        compute, storage = policy.compute_dtype, _narrower(policy)
+        norm_dtype = jnp.promote_types(jnp.float32, compute)
+        norm_paths = {c.path for c in trace.calls if c.kind in NORM_TYPES}
+        own_dtype = lambda path: norm_dtype if path in norm_paths else storage
+    else:
+        concrete = [jnp.zeros(x.shape, x.dtype) for x in example_inputs]
+        policies = linen_module_policies(wrapped, variables, *concrete, **apply_kwargs)
+        policy = policies.get("")
+        norm_dtype = jnp.float32
+        own_dtype = lambda path: (
+            None if path_str(path, "") not in policies else _narrower(policies[path_str(path, "")])
+        )
 
-    params = _cast_params(variables["params"], (), norm_paths, storage, norm_dtype)
+    params = _cast_params(variables["params"], (), own_dtype)
     stats = cast_floating(unfreeze(variables.get("batch_stats", {})), norm_dtype)
     for bn, lin in trace.pairs.items():
         src = variables["params"]
@@ -260,8 +256,9 @@ def convert_for_inference(
             bn_params.get("bias") if use["use_bias"] else None,
             use["epsilon"],
         )
-        _set(params, lin, "kernel", kernel.astype(storage))
-        _set(params, lin, "bias", bias.astype(storage))
+        dtype = own_dtype(lin) or kernel.dtype
+        _set(params, lin, "kernel", kernel.astype(dtype))
+        _set(params, lin, "bias", bias.astype(dtype))
         _delete(params, bn)
         _delete(stats, bn)
 
@@ -274,13 +271,22 @@ def convert_for_inference(
 
     folded_norms = frozenset(trace.pairs)
     folded_linears = frozenset(trace.pairs.values())
-    output_dtype = policy.output_dtype
 
-    def infer(variables, *inputs):
-        runner = _Runner(folded_norms, folded_linears, compute, storage)
-        with nn.intercept_methods(runner):
-            out = apply(variables, *cast_floating(inputs, compute))
-        return cast_floating(out, output_dtype)
+    if wrapped is None:
+        output_dtype = policy.output_dtype
+
+        def infer(variables, *inputs):
+            runner = Runner(folded_norms, folded_linears, compute, storage)
+            with nn.intercept_methods(runner):
+                out = apply(variables, *cast_floating(inputs, compute))
+            return cast_floating(out, output_dtype)
+
+    else:
+        policy_apply = functools.partial(wrapped.apply, **apply_kwargs)
+
+        def infer(variables, *inputs):
+            with nn.intercept_methods(PolicyRunner(folded_norms, folded_linears)):
+                return policy_apply(variables, *inputs)
 
     used = _used_collections(infer, converted, example_inputs)
     pruned = {k: v for k, v in converted.items() if k == "params" or k in used}

@@ -88,8 +88,9 @@ class Trace:
     report: FoldReport
 
 
-def path_str(path: Path) -> str:
-    return "/".join(path) if path else "<root>"
+def path_str(path: Path, root: str = "<root>") -> str:
+    """`path` joined by "/", `root` for the empty path."""
+    return "/".join(path) if path else root
 
 
 class _Recorder:
