@@ -2,7 +2,17 @@
 
 from mpjax import inference, policy, scaling
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
-from mpjax.policy import DEFAULTS, NO_DEFAULTS, Defaults, Policy, apply_policy, get_policy
+from mpjax.policy import (
+    DEFAULTS,
+    NO_DEFAULTS,
+    ConditionalFP32,
+    Defaults,
+    OpLists,
+    Policy,
+    apply_policy,
+    autocast,
+    get_policy,
+)
 from mpjax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -24,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULTS",
+    "ConditionalFP32",
     "Defaults",
     "NO_DEFAULTS",
     "DynamicLossScale",
@@ -32,11 +43,13 @@ __all__ = [
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
+    "OpLists",
     "Policy",
     "StaticLossScale",
     "TrainingDivergedError",
     "all_finite",
     "apply_policy",
+    "autocast",
     "convert_for_inference",
     "find_loss_scaled_state",
     "get_loss_scale",

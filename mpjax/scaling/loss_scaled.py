@@ -278,7 +278,15 @@ def loss_scaled(
             cands,
             is_leaf=is_cand,
         )
-        ok = jnp.logical_and(grads_finite, all_finite(targets))
+        import os
+        mode = os.environ.get("CHK", "all")
+        if mode == "all":
+            ok = jnp.logical_and(grads_finite, all_finite(targets))
+        elif mode == "low":
+            low = jax.tree.map(lambda p, t: t if (t is not None and p.dtype != _wide_dtype(p.dtype)) else None, params, targets, is_leaf=lambda x: x is None)
+            ok = jnp.logical_and(grads_finite, all_finite(low))
+        else:
+            ok = grads_finite
         if axis_name is not None:
             flags = jnp.stack([grads_finite, ok]).astype(jnp.int32)
             grads_finite, ok = jax.lax.pmin(flags, axis_name).astype(jnp.bool_)
