@@ -9,18 +9,17 @@ inference mode on the default backend. Variants, all jitted, timed in alternatio
 - cast bf16: `convert_for_inference(..., "compute=bfloat16", fold_batchnorm=False)`;
 - fold bf16: `convert_for_inference(..., "compute=bfloat16")`: folded and bfloat16.
 
-Ratios are against `original` in the same run. Bytes accessed are XLA's compiled cost
-analysis of the whole forward pass (weights + activations).
+Ratios are against `original f32` in the same run (latency: paired per round). Bytes
+accessed are XLA's compiled cost analysis of the whole forward pass (weights +
+activations).
 
 Run: `python benchmarks/inference.py [--quick]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,6 +30,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mpjax  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cost_analysis,
+    interleaved_times,
+    main,
+    paired_ratio,
+    summary,
+)
 
 
 class _Block(nn.Module):
@@ -79,13 +85,6 @@ def _random_variables(model, x, seed=0):
     return jax.tree_util.tree_map_with_path(leaf, variables)
 
 
-def _bytes_accessed(fn, *args) -> float:
-    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return float(cost.get("bytes accessed", float("nan")))
-
-
 def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -118,34 +117,28 @@ def run(quick: bool = False) -> dict:
         )
         variants[name] = (jax.jit(conv.apply), conv.variables)
 
-    for fn, v in variants.values():  # compile and warm up
-        jax.block_until_ready(fn(v, x))
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(repeats):  # alternate the variants within every repeat
-        for name, (fn, v) in variants.items():
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                out = fn(v, x)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / iters * 1e3)
-
-    base_ms = float(np.median(times["original f32"]))
-    base_bytes = _bytes_accessed(original, variables, x)
-    base_params = _nbytes(variables)
+    times = interleaved_times(
+        {name: functools.partial(fn, v, x) for name, (fn, v) in variants.items()},
+        rounds=repeats,
+        steps_per_round=iters,
+    )
+    base = "original f32"
+    base_bytes = cost_analysis(original, variables, x)["bytes accessed"]
+    base_vars = _nbytes(variables)
     rows = []
     for name, (fn, v) in variants.items():
-        ms = np.asarray(times[name])
-        accessed = _bytes_accessed(fn, v, x)
+        ms = summary([t * 1e3 for t in times[name]])
+        accessed = cost_analysis(fn, v, x)["bytes accessed"]
         rows.append(
             [
                 name,
-                round(float(np.median(ms)), 3),
-                f"{ms.min():.3f}-{ms.max():.3f}",
-                round(float(np.median(ms)) / base_ms, 3),
+                ms["median"],
+                f"{ms['min']:.3f}-{ms['max']:.3f}",
+                paired_ratio(times, name, base)["median"],
                 int(accessed),
-                round(accessed / base_bytes, 3),
+                accessed / base_bytes,
                 _nbytes(v),
-                round(_nbytes(v) / base_params, 3),
+                _nbytes(v) / base_vars,
             ]
         )
     backend = jax.default_backend()
@@ -164,8 +157,9 @@ def run(quick: bool = False) -> dict:
         ],
         "rows": rows,
         "notes": (
-            f"{repeats} alternating repeats of {iters} jitted calls each; ratios vs 'original f32' "
-            "in the same run. Bytes accessed: XLA compiled cost analysis of the forward pass. "
+            f"{repeats} interleaved rounds of {iters} jitted calls each; latency ratio: median "
+            "of per-round ratios vs 'original f32' in the same run. Bytes accessed: XLA "
+            "compiled cost analysis of the forward pass. "
             "Variable bytes: all collections (params + batch_stats). XLA:CPU runs a bf16 "
             "convolution by converting its operands to f32 and the result back (see the "
             "compiled HLO), so on CPU bf16 adds converts and bytes; the bf16 speed-up is a "
@@ -175,17 +169,5 @@ def run(quick: bool = False) -> dict:
     }
 
 
-def _print(table: dict) -> None:
-    print(table["title"])
-    cols = table["columns"]
-    cells = [cols] + [[str(c) for c in r] for r in table["rows"]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
-    for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    print(table["notes"])
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    _print(run(quick=parser.parse_args().quick))
+    main(run)
