@@ -1,6 +1,6 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax import inference, policy, scaling
+from mpjax import inference, nn, pallas, policy, scaling
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
     DEFAULTS,
@@ -56,7 +56,9 @@ __all__ = [
     "get_policy",
     "inference",
     "loss_scaled",
+    "nn",
     "nonfinite_report",
+    "pallas",
     "policy",
     "scale_loss",
     "scaling",
