@@ -32,6 +32,7 @@ from mpjax.inference import InferenceModel, convert_for_inference
 __all__ = ["LoadedInference", "export_inference", "load_inference", "serialize_inference"]
 
 _FORMAT = "mpjax-inference-v1"
+_TRITON = "__gpu$xla.gpu.triton"
 
 
 def _spec(x: Any, batch: Any) -> jax.ShapeDtypeStruct:
@@ -47,6 +48,7 @@ def export_inference(
     *,
     platforms: Sequence[str] | None = None,
     polymorphic_batch: bool = False,
+    allow_pallas_kernels: bool = True,
 ) -> jax.export.Exported:
     """`jax.export`s `model.apply(variables, *inputs)` for the given platforms.
 
@@ -56,9 +58,16 @@ def export_inference(
       platforms: e.g. `("cpu", "cuda")`; None exports for the default backend only.
       polymorphic_batch: make the leading dimension of every input symbolic, so the
         artifact accepts any batch size.
+      allow_pallas_kernels: allow the Triton custom calls of `mpjax.pallas` kernels (a
+        folded `ConvBN`'s epilogue) in a CUDA artifact. JAX gives those no
+        compatibility guarantee: load such an artifact with the jaxlib that exported it.
 
     Returns:
       The `jax.export.Exported`; call it with `exported.call(model.variables, *inputs)`.
+
+    Raises:
+      ValueError: a Pallas kernel cannot be lowered for several platforms at once
+        (jax-ml/jax#28594); the message says what to do instead.
 
     Example:
       >>> exp = export_inference(infer, x[:1], platforms=("cpu", "cuda"))
@@ -74,7 +83,18 @@ def export_inference(
     var_specs = jax.tree.map(lambda v: _spec(v, None), model.variables)
     in_specs = [_spec(x, batch) for x in example_inputs]
     plats = None if platforms is None else tuple(platforms)
-    return jax.export.export(jax.jit(model.apply), platforms=plats)(var_specs, *in_specs)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON)] if allow_pallas_kernels else []
+    exporter = jax.export.export(jax.jit(model.apply), platforms=plats, disabled_checks=checks)
+    try:
+        return exporter(var_specs, *in_specs)
+    except ValueError as e:
+        if "Only interpret mode is supported" not in str(e):
+            raise
+        raise ValueError(
+            f"export_inference: a Pallas kernel (a folded ConvBN's epilogue with impl='auto') "
+            f"cannot be lowered for the platforms {plats} at once (jax-ml/jax#28594); export "
+            "one artifact per platform, or convert with epilogue_impl='xla'"
+        ) from e
 
 
 def serialize_inference(
@@ -83,6 +103,7 @@ def serialize_inference(
     *,
     platforms: Sequence[str] | None = None,
     polymorphic_batch: bool = False,
+    allow_pallas_kernels: bool = True,
 ) -> bytes:
     """Exports `model` (see `export_inference`) and packs it with its variables into bytes.
 
@@ -91,6 +112,7 @@ def serialize_inference(
       example_inputs: an input (or tuple of inputs) giving shapes and dtypes.
       platforms: platforms to lower for; None for the default backend.
       polymorphic_batch: accept any leading (batch) dimension.
+      allow_pallas_kernels: see `export_inference`.
 
     Returns:
       The artifact, for `load_inference`.
@@ -100,7 +122,11 @@ def serialize_inference(
       >>> load_inference(blob)(x[:1])
     """
     exported = export_inference(
-        model, example_inputs, platforms=platforms, polymorphic_batch=polymorphic_batch
+        model,
+        example_inputs,
+        platforms=platforms,
+        polymorphic_batch=polymorphic_batch,
+        allow_pallas_kernels=allow_pallas_kernels,
     )
     return serialization.msgpack_serialize(
         {
@@ -177,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--apply-kwargs", default="{}", help="JSON, e.g. '{\"train\": false}'")
     parser.add_argument("--no-fold", action="store_true", help="do not fold BatchNorm")
     parser.add_argument("--polymorphic-batch", action="store_true")
+    parser.add_argument(
+        "--epilogue-impl", default=None, help="conv_epilogue impl of folded ConvBNs, e.g. xla"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -190,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         example_inputs=example,
         fold_batchnorm=not args.no_fold,
         apply_kwargs=json.loads(args.apply_kwargs),
+        epilogue_impl=args.epilogue_impl,
     )
     platforms = args.platforms.split(",") if args.platforms else None
     blob = serialize_inference(

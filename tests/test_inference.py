@@ -22,6 +22,7 @@ import pytest
 import mpjax
 from mpjax import export as mx
 from mpjax.inference import fold_batchnorm_params
+from mpjax.nn import ConvBN
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 POLICY = {"float32": "f32", "bfloat16": "compute=bfloat16", "float16": "compute=float16"}
@@ -126,6 +127,21 @@ class SetupSequential(nn.Module):
 
     def __call__(self, x):
         return self.head(self.seq(nn.relu(self.bn(self.conv(x)))).mean(axis=(1, 2)))
+
+
+class ConvBNNet(nn.Module):
+    """mpjax.nn.ConvBN blocks: NCHW stem, a residual ConvBN, silu and linear ones."""
+
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        cb = functools.partial(ConvBN, use_running_average=not train, impl=self.impl)
+        x = cb(8, input_layout="NCHW")(x)
+        y = cb(8)(x)
+        x = cb(8, activation="silu")(y, residual=x)
+        x = cb(8, activation="none")(x)
+        return nn.Dense(3)(x.mean(axis=(1, 2)))
 
 
 # BatchNorms that must stay unfolded, with a fragment of the reason each must report.
@@ -400,6 +416,63 @@ def test_apply_policy_wrapped_model_refuses_a_second_policy():
         mpjax.convert_for_inference(model, variables, "f32", example_inputs=x, apply_kwargs=EVAL)
 
 
+CONVBN_FOLDS = [(f"ConvBN_{i}/conv", f"ConvBN_{i}") for i in range(4)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_convbn_folds_into_the_fused_epilogue(dtype):
+    model = ConvBNNet()
+    x = jax.random.normal(jax.random.key(1), (3, 3, 6, 6))  # NCHW
+    variables = randomize_stats(model.init(jax.random.key(0), x, train=True), seed=8)
+    converted = convert(model, variables, dtype, x[:1])
+    assert sorted(converted.report.folded) == CONVBN_FOLDS
+    assert set(converted.variables) == {"params"}
+    for i in range(4):
+        layer = converted.variables["params"][f"ConvBN_{i}"]
+        assert set(layer) == {"conv", "bias"}  # BatchNorm scale gone, shift kept
+        assert set(layer["conv"]) == {"kernel"}
+        assert layer["conv"]["kernel"].dtype == jnp.dtype(dtype)
+        assert layer["bias"].dtype == jnp.float32  # the epilogue adds it in float32
+    ref = reference64(model, variables, x, train=False)
+    assert rel_err(jax.jit(converted.apply)(converted.variables, x), ref) < TOL[dtype]
+
+
+def test_convbn_epilogue_is_the_pallas_kernel():
+    model = ConvBNNet(impl="interpret")  # the Pallas kernel body, runnable on CPU
+    x = jax.random.normal(jax.random.key(1), (2, 3, 6, 6))
+    variables = randomize_stats(model.init(jax.random.key(0), x, train=True), seed=9)
+    converted = convert(model, variables, "bfloat16", x[:1])
+    jaxpr = str(jax.make_jaxpr(converted.apply)(converted.variables, x))
+    assert jaxpr.count("pallas_call") == 4  # one fused epilogue per folded ConvBN
+    ref = reference64(ConvBNNet(impl="xla"), variables, x, train=False)
+    assert rel_err(converted(x), ref) < TOL["bfloat16"]
+    xla = convert(model, variables, "bfloat16", x[:1], epilogue_impl="xla")
+    assert "pallas_call" not in str(jax.make_jaxpr(xla.apply)(xla.variables, x))
+    with pytest.raises(ValueError, match="epilogue_impl"):
+        convert(model, variables, "bfloat16", x[:1], epilogue_impl="triton")
+
+
+def test_convbn_unfolded_and_under_apply_policy():
+    model = ConvBNNet()
+    x = jax.random.normal(jax.random.key(1), (2, 3, 6, 6))
+    variables = randomize_stats(model.init(jax.random.key(0), x, train=True), seed=10)
+    ref = reference64(model, variables, x, train=False)
+    kept = convert(model, variables, "bfloat16", x[:1], fold_batchnorm=False)
+    assert kept.report.folded == () and len(kept.report.unfolded) == 4
+    assert kept.variables["params"]["ConvBN_0"]["scale"].dtype == jnp.float32
+    assert rel_err(kept(x), ref) < TOL["bfloat16"]
+    ruled = mpjax.convert_for_inference(
+        mpjax.apply_policy(model, "p=f32,c=bf16"), variables, example_inputs=x, apply_kwargs=EVAL
+    )
+    assert sorted(ruled.report.folded) == CONVBN_FOLDS
+    assert ruled.variables["params"]["ConvBN_1"]["conv"]["kernel"].dtype == jnp.bfloat16
+    assert rel_err(ruled(x), ref) < TOL["bfloat16"]
+    with pytest.raises(ValueError, match="ConvBN_0.*training mode"):
+        mpjax.convert_for_inference(
+            model, variables, example_inputs=x, apply_kwargs={"train": True}
+        )
+
+
 def test_fold_batchnorm_false_only_casts():
     model = ResNetBlock()
     x = jax.random.normal(jax.random.key(1), (2, 8, 8, 8))
@@ -484,6 +557,23 @@ def test_export_cuda_only_and_polymorphic_batch(digits):
         )
     with pytest.raises(ValueError, match="not an mpjax inference artifact"):
         mx.load_inference(b"not an artifact")
+
+
+def test_export_convbn_per_platform():
+    model = ConvBNNet()
+    x = np.asarray(jax.random.normal(jax.random.key(1), (2, 3, 6, 6)))
+    variables = randomize_stats(model.init(jax.random.key(0), x, train=True), seed=11)
+    converted = convert(model, variables, "bfloat16", x[:1])
+    cuda = mx.load_inference(mx.serialize_inference(converted, x, platforms=["cuda"]))
+    assert cuda.platforms == ("cuda",)
+    assert "triton" in cuda.exported.mlir_module()  # the fused epilogue, as a Triton kernel
+    cpu = mx.load_inference(mx.serialize_inference(converted, x, platforms=["cpu"]))
+    chex.assert_trees_all_equal(cpu(x), jax.jit(converted.apply)(converted.variables, x))
+    with pytest.raises(ValueError, match="one artifact per platform"):
+        mx.serialize_inference(converted, x, platforms=("cpu", "cuda"))
+    xla = convert(model, variables, "bfloat16", x[:1], epilogue_impl="xla")
+    both = mx.load_inference(mx.serialize_inference(xla, x, platforms=("cpu", "cuda")))
+    chex.assert_trees_all_equal(both(x), jax.jit(xla.apply)(xla.variables, x))
 
 
 CLI_MODEL = """

@@ -22,6 +22,8 @@ from mpjax.inference.trace import (
     path_str,
     trace_model,
 )
+from mpjax.nn import ConvBN
+from mpjax.pallas.dispatch import check_impl
 from mpjax.policy.apply import apply_policy
 from mpjax.policy.linen import PolicyModule, linen_module_policies
 from mpjax.policy.policy import Policy, cast_floating, get_policy
@@ -143,15 +145,20 @@ def convert_for_inference(
     example_inputs: Any,
     fold_batchnorm: bool = True,
     apply_kwargs: Mapping[str, Any] | None = None,
+    epilogue_impl: str | None = None,
 ) -> InferenceModel:
     """Converts a trained float32 linen model into a mixed-precision inference model.
 
     Every `nn.Conv`/`nn.Dense` → `nn.BatchNorm` pair (the BatchNorm's input is the
     layer's direct output and nothing else reads that output; see
-    `mpjax.inference.trace`) is folded into the layer's kernel and bias in float32,
-    then stored in the narrower of the param and compute dtypes; the BatchNorm becomes
-    the identity. Collections the inference pass does not read (folded `batch_stats`,
-    `intermediates`, ...) are dropped.
+    `mpjax.inference.trace`) and every `mpjax.nn.ConvBN` is folded into the conv's
+    kernel and bias in float32, then stored in the narrower of the param and compute
+    dtypes; the BatchNorm becomes the identity. A folded `ConvBN` runs its conv on the
+    folded kernel, then the fused `mpjax.pallas.conv_epilogue` for the folded shift
+    (kept in float32) + residual + activation; a plain Conv/Dense adds its folded bias
+    itself (XLA fuses that add with the activation after it). Collections the
+    inference pass does not read (folded `batch_stats`, `intermediates`, ...) are
+    dropped.
 
     With a single policy (a `Policy` or spec string), `apply` casts floating inputs to
     the compute dtype, runs every Conv/Dense in the compute dtype (whatever `dtype`
@@ -176,6 +183,9 @@ def convert_for_inference(
       fold_batchnorm: fold BatchNorms (True) or only cast (False).
       apply_kwargs: keyword arguments for `model.apply` that select inference mode,
         e.g. `{"train": False}`; baked into `apply`.
+      epilogue_impl: the `conv_epilogue` implementation of folded `ConvBN`s ("auto",
+        "pallas", "interpret", "xla"); None keeps each module's `impl`. Use "xla" for
+        an artifact exported for several platforms at once (see `mpjax.export`).
 
     Returns:
       An `InferenceModel(apply, variables, report, policy)`; `apply(variables, *inputs)`.
@@ -207,6 +217,8 @@ def convert_for_inference(
             f"convert_for_inference: apply_kwargs must be a mapping, got "
             f"{type(apply_kwargs).__name__}"
         )
+    if epilogue_impl is not None:
+        check_impl(epilogue_impl, "convert_for_inference: epilogue_impl")
     if isinstance(model, PolicyModule) and policy is not None:
         raise ValueError(
             "convert_for_inference: the model is wrapped by apply_policy, which sets its "
@@ -230,16 +242,20 @@ def convert_for_inference(
     if wrapped is None:
         compute, storage = policy.compute_dtype, _narrower(policy)
         norm_dtype = jnp.promote_types(jnp.float32, compute)
-        norm_paths = {c.path for c in trace.calls if c.kind in NORM_TYPES}
+        norm_paths = {c.path for c in trace.calls if c.kind in NORM_TYPES or c.kind is ConvBN}
         own_dtype = lambda path: norm_dtype if path in norm_paths else storage
     else:
         concrete = [jnp.zeros(x.shape, x.dtype) for x in example_inputs]
         policies = linen_module_policies(wrapped, variables, *concrete, **apply_kwargs)
         policy = policies.get("")
         norm_dtype = jnp.float32
-        own_dtype = lambda path: (
-            None if path_str(path, "") not in policies else _narrower(policies[path_str(path, "")])
-        )
+        convbn_paths = {c.path for c in trace.calls if c.kind is ConvBN}
+
+        def own_dtype(path):
+            if path in convbn_paths:  # its scale/shift feed the float32 epilogue
+                return norm_dtype
+            rule = policies.get(path_str(path, ""))
+            return None if rule is None else _narrower(rule)
 
     params = _cast_params(variables["params"], (), own_dtype)
     stats = cast_floating(unfreeze(variables.get("batch_stats", {})), norm_dtype)
@@ -258,8 +274,12 @@ def convert_for_inference(
         )
         dtype = own_dtype(lin) or kernel.dtype
         _set(params, lin, "kernel", kernel.astype(dtype))
-        _set(params, lin, "bias", bias.astype(dtype))
-        _delete(params, bn)
+        if use["kind"] is ConvBN:  # the BatchNorm becomes the epilogue's float32 shift
+            _delete(params, (*bn, "scale"))
+            _set(params, bn, "bias", bias.astype(norm_dtype))
+        else:
+            _set(params, lin, "bias", bias.astype(dtype))
+            _delete(params, bn)
         _delete(stats, bn)
 
     converted = {"params": params}
@@ -276,16 +296,18 @@ def convert_for_inference(
         output_dtype = policy.output_dtype
 
         def infer(variables, *inputs):
-            runner = Runner(folded_norms, folded_linears, compute, storage)
+            runner = Runner(folded_norms, folded_linears, compute, storage, epilogue_impl)
             with nn.intercept_methods(runner):
                 out = apply(variables, *cast_floating(inputs, compute))
             return cast_floating(out, output_dtype)
 
     else:
         policy_apply = functools.partial(wrapped.apply, **apply_kwargs)
+        convbn_policies = {p: policies.get(path_str(p, "")) for p in convbn_paths}
 
         def infer(variables, *inputs):
-            with nn.intercept_methods(PolicyRunner(folded_norms, folded_linears)):
+            runner = PolicyRunner(folded_norms, folded_linears, convbn_policies, epilogue_impl)
+            with nn.intercept_methods(runner):
                 return policy_apply(variables, *inputs)
 
     used = _used_collections(infer, converted, example_inputs)
@@ -300,8 +322,8 @@ def convert_for_inference(
 
 
 def _bn_attrs(trace, path: Path) -> dict[str, Any]:
-    """The recorded attributes of the BatchNorm call at `path`."""
+    """The recorded attributes of the BatchNorm (or ConvBN) call at `path`, and its kind."""
     for call in trace.calls:
-        if call.path == path and call.kind is nn.BatchNorm:
-            return call.attrs
+        if call.path == path and call.kind in (nn.BatchNorm, ConvBN):
+            return {**call.attrs, "kind": call.kind}
     raise KeyError(path_str(path))

@@ -19,6 +19,9 @@ The folding rule, read off the jaxpr: a BatchNorm is folded into a Conv/Dense wh
    carry two different folds), the BatchNorm runs on its running statistics, and it
    normalises the last (channel) axis only, which is the kernel's output axis.
 
+An `mpjax.nn.ConvBN` holds its own pair (its conv feeds its BatchNorm by construction),
+so it folds whenever it is called once and runs on its running statistics.
+
 Anything else leaves the BatchNorm as it is, with the reason recorded.
 """
 
@@ -33,6 +36,8 @@ import flax.linen as nn
 import jax
 import jax.extend.core as jex
 from jax.ad_checkpoint import checkpoint_name
+
+from mpjax.nn import ConvBN
 
 __all__ = ["FoldReport", "LINEAR_TYPES", "NORM_TYPES", "Trace", "trace_model"]
 
@@ -131,6 +136,19 @@ class _Recorder:
                 )
             )
             return next_fun(checkpoint_name(x, f"{_TAG}in:{index}"), *args[1:], **kwargs)
+        if kind is ConvBN:
+            call_ura = args[2] if len(args) > 2 else kwargs.get("use_running_average")
+            use_ra = nn.merge_param("use_running_average", module.use_running_average, call_ura)
+            if not use_ra:
+                raise ValueError(
+                    f"convert_for_inference: ConvBN {path_str(path)!r} runs in training mode "
+                    "(use_running_average=False) in the traced call; pass the apply arguments "
+                    "that select inference mode, e.g. apply_kwargs={'train': False}"
+                )
+            attrs = {"epsilon": module.epsilon, "features": module.features}
+            attrs.update(use_scale=True, use_bias=True)
+            self.calls.append(_Call(path, kind, attrs))
+            return next_fun(*args, **kwargs)
         if kind in LINEAR_TYPES:
             y = next_fun(*args, **kwargs)
             self.calls.append(_Call(path, kind, {"use_bias": module.use_bias}))
@@ -242,7 +260,7 @@ def trace_model(
     unfolded: list[tuple[str, str]] = []
     seen: set[Path] = set()
     for i, call in enumerate(calls):
-        if call.kind is not nn.BatchNorm or call.path in seen:
+        if call.kind not in (nn.BatchNorm, ConvBN) or call.path in seen:
             continue
         seen.add(call.path)
         reason = None
@@ -250,6 +268,11 @@ def trace_model(
             reason = "fold_batchnorm=False"
         elif counts[call.path] > 1:
             reason = f"called {counts[call.path]} times per forward pass"
+        elif call.kind is ConvBN:
+            conv = (*call.path, "conv")
+            reason = _shape_mismatch(variables, conv, call)
+            if reason is None:
+                pairs[call.path] = conv
         elif i not in links:
             reason = "its input is not the direct output of a Conv/Dense"
         else:
