@@ -6,6 +6,12 @@ and the converted variables. It can be lowered for platforms other than the one 
 exporter runs on (`platforms=("cpu", "cuda")` from a CPU machine) and is called with
 `load_inference(blob)(x)` on any of them.
 
+Pallas kernels (the fused epilogue of a folded `mpjax.nn.ConvBN`, `impl="auto"`): a CUDA
+artifact carries them as Triton custom calls, which JAX does not promise to load on a
+different jaxlib; and JAX cannot lower them for several platforms in one artifact
+(jax-ml/jax#28594), so export one artifact per platform or convert with
+`epilogue_impl="xla"` for a ("cpu", "cuda") one.
+
 CLI::
 
     python -m mpjax.export my_pkg.models:load_trained --input-shape 1,8,8,1 \\
