@@ -1,0 +1,1 @@
+"""Example training runs for mpjax (importable so tests can run them at tiny sizes)."""
