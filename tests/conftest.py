@@ -1,4 +1,4 @@
-"""Test set-up: 8 simulated CPU devices (set before jax is imported) and a fixed hypothesis profile."""
+"""Test set-up: 8 simulated CPU devices (set before jax is imported), a fixed hypothesis profile."""
 
 import os
 

@@ -1,5 +1,6 @@
 """Loss scales and the `loss_scaled` optax wrapper."""
 
+from mpjax.scaling.diagnostics import NonfiniteReport, TrainingDivergedError, nonfinite_report
 from mpjax.scaling.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -24,11 +25,14 @@ __all__ = [
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
+    "NonfiniteReport",
     "StaticLossScale",
+    "TrainingDivergedError",
     "all_finite",
     "find_loss_scaled_state",
     "get_loss_scale",
     "loss_scaled",
+    "nonfinite_report",
     "scale_loss",
     "scaling_metrics",
     "select_tree",

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mpjax.scaling.diagnostics import TrainingDivergedError
 from mpjax.scaling.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -136,6 +137,7 @@ def loss_scaled(
     master_weights: bool | str = "auto",
     axis_name: str | tuple[str, ...] | None = None,
     unscale_and_check: Any = None,
+    max_consecutive_skips: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` with loss scaling, FP32 master weights and finite-check skip steps.
 
@@ -164,6 +166,12 @@ def loss_scaled(
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`;
         None uses plain XLA ops.
+      max_consecutive_skips: if set, the step that would be the N-th non-finite step in
+        a row raises `TrainingDivergedError` from inside the compiled step (it reaches
+        Python as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error
+        and the loss scale) instead of training on silently. Off by default: a
+        persistently non-finite model then keeps skipping with the scale at
+        `min_scale`, visible in `scaling_metrics`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -186,6 +194,15 @@ def loss_scaled(
             f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
         )
     loss_scale = _check_loss_scale(loss_scale)
+    if max_consecutive_skips is not None and (
+        isinstance(max_consecutive_skips, bool)
+        or not isinstance(max_consecutive_skips, int)
+        or max_consecutive_skips < 1
+    ):
+        raise ValueError(
+            f"loss_scaled: max_consecutive_skips must be an int >= 1 or None, "
+            f"got {max_consecutive_skips!r}"
+        )
     inner = optax.with_extra_args_support(inner)
     check = xla_unscale_and_check if unscale_and_check is None else unscale_and_check
 
@@ -260,6 +277,9 @@ def loss_scaled(
         )
         new_inner = select_tree(finite, new_inner, state.inner_state)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
+        consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
+        if max_consecutive_skips is not None:
+            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, max_consecutive_skips)
         new_state = LossScaledState(
             inner_state=new_inner,
             master=new_master,
@@ -271,6 +291,22 @@ def loss_scaled(
         return updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
+    def fail(n, s):
+        raise TrainingDivergedError(
+            f"TrainingDivergedError: mpjax.loss_scaled saw {int(n)} non-finite steps in a row "
+            f"(max_consecutive_skips={limit}; loss scale {float(s):g}). The model produces "
+            "inf/NaN gradients at every scale: check the loss and the inputs, or find the "
+            "overflowing layer with mpjax.scaling.nonfinite_report(grads)."
+        )
+
+    jax.lax.cond(
+        consecutive >= limit,
+        lambda: jax.debug.callback(fail, consecutive, scale),
+        lambda: None,
+    )
 
 
 def _unwrap(x: Any) -> Any:
