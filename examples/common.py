@@ -180,12 +180,13 @@ def summarise(
     for name in order:
         runs = [r for r in results if r.precision == name]
         metric = np.array([r.metric for r in runs])
-        std = metric.std(ddof=1) if len(runs) > 1 else 0.0
+        shown = metric_format.format(metric.mean())
+        if len(runs) > 1:
+            shown += f" ± {metric_format.format(metric.std(ddof=1))}"
         rows.append(
             [
                 name,
-                f"{metric_format.format(metric.mean())} ± {metric_format.format(std)}"
-                + (f" (n={len(runs)})" if len(runs) > 1 else ""),
+                f"{shown} (n={len(runs)})",
                 f"{np.mean([r.final_loss for r in runs]):.4f}",
                 f"{np.mean([r.skipped_steps for r in runs]):g}",
                 f"{np.mean([r.final_loss_scale for r in runs]):g}",
@@ -223,7 +224,9 @@ def _smooth(x: np.ndarray, window: int) -> np.ndarray:
 def plot_runs(results: Sequence[RunResult], path: str | Path, title: str) -> Path:
     """Writes a PNG: training loss per precision (left) and loss-scale trajectory (right).
 
-    Each precision's curve is the mean over its seeds, smoothed over ~2% of the steps.
+    Each loss curve is the mean over the precision's seeds, smoothed over ~2% of the
+    steps; the loss-scale panel shows the first seed of each precision that scales, with
+    its skipped steps marked.
 
     Args:
       results: the runs.
@@ -246,17 +249,29 @@ def plot_runs(results: Sequence[RunResult], path: str | Path, title: str) -> Pat
             order.append(r.precision)
 
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    unscaled: list[str] = []
     for name in order:
         runs = [r for r in results if r.precision == name]
         loss = np.nanmean(
-            np.stack([np.where(np.isfinite(r.history["loss"]), r.history["loss"], np.nan)
-                      for r in runs]),
+            np.stack(
+                [np.where(np.isfinite(r.history["loss"]), r.history["loss"], np.nan) for r in runs]
+            ),
             axis=0,
         )
         window = max(1, len(loss) // 50)
         steps = np.arange(1, len(loss) + 1)
         ax_loss.plot(steps, _smooth(loss, window), label=name)
-        ax_scale.plot(steps, runs[0].history["loss_scale"], label=f"{name} (seed {runs[0].seed})")
+        first = runs[0]
+        scale = first.history["loss_scale"]
+        if np.all(scale == 1.0):
+            unscaled.append(name)
+            continue
+        (line,) = ax_scale.plot(steps, scale, label=f"{name} (seed {first.seed})")
+        skipped = ~first.history["grads_finite"].astype(bool)
+        if skipped.any():
+            ax_scale.plot(
+                steps[skipped], scale[skipped], "x", color=line.get_color(), label="skipped step"
+            )
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss (smoothed)")
     ax_loss.set_yscale("log")
@@ -265,7 +280,10 @@ def plot_runs(results: Sequence[RunResult], path: str | Path, title: str) -> Pat
     ax_scale.set_xlabel("step")
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_yscale("log", base=2)
-    ax_scale.legend()
+    if unscaled:
+        ax_scale.set_title(f"no loss scaling (scale 1): {', '.join(unscaled)}", fontsize=9)
+    if ax_scale.lines:
+        ax_scale.legend()
     ax_scale.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

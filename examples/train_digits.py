@@ -88,7 +88,7 @@ class DigitsConfig:
     num_blocks: int = 2
     loss_multiplier: float = 1.0
     initial_scale: float = 2.0**15
-    growth_interval: int = 200
+    growth_interval: int = 50
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -99,7 +99,9 @@ class DigitsConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"DigitsConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.loss_multiplier > 0:
-            raise ValueError(f"DigitsConfig.loss_multiplier must be > 0, got {self.loss_multiplier}")
+            raise ValueError(
+                f"DigitsConfig.loss_multiplier must be > 0, got {self.loss_multiplier}"
+            )
 
 
 class DigitsData(NamedTuple):
@@ -111,8 +113,11 @@ class DigitsData(NamedTuple):
     y_test: np.ndarray
 
 
-def load_data(test_size: float = 0.25, split_seed: int = 0) -> DigitsData:
+def load_data(test_size: float = 0.5, split_seed: int = 0) -> DigitsData:
     """Loads scikit-learn's 8x8 digits (1797 images, shipped with sklearn) and splits them.
+
+    Half is held out: with a quarter (450 images) this ResNet scores 100% on some seeds,
+    and a ceiling hides any gap between precisions.
 
     Args:
       test_size: fraction held out for testing (stratified).
@@ -271,9 +276,7 @@ def make_train_fns(
     def predict(params, batch_stats, x):
         return model.apply({"params": params, "batch_stats": batch_stats}, x, train=False)
 
-    return TrainFns(
-        model, tx, jax.jit(init), jax.jit(step, donate_argnums=0), jax.jit(predict)
-    )
+    return TrainFns(model, tx, jax.jit(init), jax.jit(step, donate_argnums=0), jax.jit(predict))
 
 
 def _batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int) -> Iterator:
@@ -362,7 +365,7 @@ def train(
 
 def run_experiment(
     precisions: Sequence[str] = DEFAULT_PRECISIONS,
-    seeds: int = 1,
+    seeds: int = 3,
     *,
     png: str | Path | None = "results/digits.png",
     progress: bool = True,
@@ -408,7 +411,7 @@ def _parser() -> argparse.ArgumentParser:
         help="precisions to train: fp32; bf16 = params fp32, compute bf16; fp16 = compute "
         "fp16 with dynamic loss scaling; fp16-noscale = compute fp16, no loss scaling",
     )
-    p.add_argument("--seeds", type=int, default=1, help="seeds per precision (mean ± std)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per precision (mean ± std)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per run")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per step")
     p.add_argument("--lr", type=float, default=d.learning_rate, help="peak AdamW learning rate")
