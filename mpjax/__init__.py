@@ -1,7 +1,17 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
 from mpjax import policy, scaling
-from mpjax.policy import Policy, get_policy
+from mpjax.policy import (
+    DEFAULTS,
+    NO_DEFAULTS,
+    ConditionalFP32,
+    Defaults,
+    OpLists,
+    Policy,
+    apply_policy,
+    autocast,
+    get_policy,
+)
 from mpjax.scaling import (
     DynamicLossScale,
     LossScale,
@@ -22,14 +32,21 @@ from mpjax.scaling import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULTS",
+    "ConditionalFP32",
+    "Defaults",
+    "NO_DEFAULTS",
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
+    "OpLists",
     "Policy",
     "StaticLossScale",
     "TrainingDivergedError",
     "all_finite",
+    "apply_policy",
+    "autocast",
     "find_loss_scaled_state",
     "get_loss_scale",
     "get_policy",

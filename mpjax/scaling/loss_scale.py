@@ -253,10 +253,12 @@ class DynamicLossScale(LossScale):
                 f"DynamicLossScale: growth_interval must be >= 1, got {growth_interval}"
             )
         growth_factor = _check_positive_finite("DynamicLossScale: growth_factor", growth_factor)
-        if growth_factor <= 1:
-            raise ValueError(f"DynamicLossScale: growth_factor must be > 1, got {growth_factor}")
+        if np.float32(growth_factor) <= 1:  # the scale is computed in float32
+            raise ValueError(
+                f"DynamicLossScale: growth_factor must be > 1 in float32, got {growth_factor}"
+            )
         backoff_factor = _check_positive_finite("DynamicLossScale: backoff_factor", backoff_factor)
-        if not 0 < backoff_factor < 1:
+        if not 0 < np.float32(backoff_factor) < 1:  # the scale is computed in float32
             raise ValueError(
                 f"DynamicLossScale: backoff_factor must be in (0, 1), got {backoff_factor}"
             )

@@ -87,6 +87,15 @@ def _path_set(tree: Any) -> set[str]:
 def _check_same_structure(grads: Any, params: Any) -> None:
     g_struct, p_struct = jax.tree.structure(grads), jax.tree.structure(params)
     if g_struct == p_struct:
+        pairs = zip(
+            jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params), strict=True
+        )
+        for (path, g), p in pairs:
+            if jnp.shape(g) != jnp.shape(p):
+                raise ValueError(
+                    f"loss_scaled: gradient {jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(g)}, its param has shape {jnp.shape(p)}"
+                )
         return
     g_paths, p_paths = _path_set(grads), _path_set(params)
     only_g = sorted(g_paths - p_paths)[:5]
@@ -233,48 +242,76 @@ def loss_scaled(
             )
         _check_same_structure(grads, params)
 
-        unscaled, finite = check(grads, state.loss_scale.loss_scale)
-        finite = jnp.asarray(finite, jnp.bool_)
-        if axis_name is not None:
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        unscaled, grads_finite = check(grads, state.loss_scale.loss_scale)
+        grads_finite = jnp.asarray(grads_finite, jnp.bool_)
 
         view = _view(params, state.master)
         inner_grads = jax.tree.map(
             lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
         )
         inner_updates, new_inner = inner.update(inner_grads, state.inner_state, view, **extra_args)
-        new_view = jax.tree.map(
-            lambda v, u: v if isinstance(v, _MASKED) else (v + u).astype(v.dtype),
-            view,
-            inner_updates,
-            is_leaf=lambda x: isinstance(x, _MASKED),
-        )
+        is_masked = lambda x: isinstance(x, _MASKED)  # noqa: E731
 
-        def new_master_leaf(m, nv):
-            return m if isinstance(m, _MASKED) else jnp.where(finite, nv, m)
-
-        new_master = jax.tree.map(
-            new_master_leaf, state.master, new_view, is_leaf=lambda x: isinstance(x, _MASKED)
-        )
-
-        def param_update(p, u, nv):
+        def candidate(p, m, v, u):
+            """(step in the wide dtype, new wide value) of one floating leaf."""
             if not _is_floating(p):
-                return jnp.zeros_like(p)
-            wide = _wide_dtype(p.dtype)
-            if p.dtype == wide:
-                # No rounding: p + u is the new value itself.
-                step = u.astype(wide)
-            else:
-                step = nv.astype(p.dtype).astype(wide) - p.astype(wide)
-            return jnp.where(finite, step, jnp.zeros_like(step))
+                return None
+            u = u.astype(v.dtype)
+            if p.dtype == v.dtype and not is_masked(m):
+                # A float32 param with a float32 master: define the new master as the sum
+                # the caller will form, p + d. That add has no multiply beside it, so XLA
+                # cannot contract one side into an FMA and not the other.
+                d = (v + u) - p
+                return d, p + d
+            return u, v + u
 
-        updates = jax.tree.map(
-            param_update,
-            params,
-            inner_updates,
-            new_view,
-            is_leaf=lambda x: isinstance(x, _MASKED),
+        cands = jax.tree.map(
+            candidate, params, state.master, view, inner_updates, is_leaf=is_masked
         )
+        is_cand = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
+
+        # The new values the params will hold: a step whose gradients are finite can still
+        # overflow them (a param near the top of its range), and is then skipped too.
+        targets = jax.tree.map(
+            lambda p, c: None if c is None else c[1].astype(p.dtype),
+            params,
+            cands,
+            is_leaf=is_cand,
+        )
+        import os
+        mode = os.environ.get("CHK", "all")
+        if mode == "all":
+            ok = jnp.logical_and(grads_finite, all_finite(targets))
+        elif mode == "low":
+            low = jax.tree.map(lambda p, t: t if (t is not None and p.dtype != _wide_dtype(p.dtype)) else None, params, targets, is_leaf=lambda x: x is None)
+            ok = jnp.logical_and(grads_finite, all_finite(low))
+        else:
+            ok = grads_finite
+        if axis_name is not None:
+            flags = jnp.stack([grads_finite, ok]).astype(jnp.int32)
+            grads_finite, ok = jax.lax.pmin(flags, axis_name).astype(jnp.bool_)
+        finite = ok
+
+        def new_master_leaf(m, c):
+            return m if is_masked(m) else jnp.where(finite, c[1], m)
+
+        new_master = jax.tree.map(new_master_leaf, state.master, cands, is_leaf=is_masked)
+
+        def param_update(p, c, target):
+            if c is None:
+                return jnp.zeros_like(p)
+            u, _ = c
+            if p.dtype == u.dtype:
+                step = u  # p + u is the new value itself
+            else:
+                wide = u.dtype
+                step = target.astype(wide) - p.astype(wide)
+                # x + (-0.0) == x for every x, signed zeros included; +0.0 is not.
+                same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
+                step = jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
+            return jnp.where(finite, step, jnp.array(-0.0, step.dtype))
+
+        updates = jax.tree.map(param_update, params, cands, targets, is_leaf=is_cand)
         new_inner = select_tree(finite, new_inner, state.inner_state)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
@@ -283,8 +320,8 @@ def loss_scaled(
         new_state = LossScaledState(
             inner_state=new_inner,
             master=new_master,
-            loss_scale=state.loss_scale.adjust(finite),
-            grads_finite=finite,
+            loss_scale=state.loss_scale.adjust(grads_finite),
+            grads_finite=grads_finite,
             skipped_steps=state.skipped_steps + skipped,
             consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32),
         )

@@ -1,0 +1,262 @@
+"""Shared helpers for the benchmarks: interleaved timing, medians and ranges, XLA cost analysis.
+
+Every benchmark script in this folder exposes `run(quick: bool = False) -> dict` returning
+`{"title": str, "columns": [...], "rows": [[...], ...], "notes": str}`; `benchmarks/run.py`
+collects them. A benchmark may set the module attribute `REQUIRES_GPU = True` (the runner then
+skips it on a machine without a GPU) or raise `Skip("reason")` from `run` to be listed as
+skipped with that reason.
+
+Example:
+  >>> times = interleaved_times({"a": step_a, "b": step_b}, rounds=7, steps_per_round=5)
+  >>> summary(times["a"])["median"]
+  >>> paired_ratio(times, "a", baseline="b")
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "Skip",
+    "check_result",
+    "cost_analysis",
+    "entry_op_counts",
+    "format_markdown",
+    "format_text",
+    "gpu_available",
+    "interleaved_times",
+    "machine_info",
+    "main",
+    "paired_ratio",
+    "summary",
+]
+
+
+class Skip(Exception):  # noqa: N818 - reads as `raise Skip("no GPU")`
+    """Raised by a benchmark's `run` when it cannot run here (no GPU, missing extra)."""
+
+
+def gpu_available() -> bool:
+    """Whether jax's default backend is a GPU."""
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+def interleaved_times(
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    rounds: int,
+    steps_per_round: int = 1,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Times several step functions in alternation and returns seconds per step.
+
+    Each round runs every function `steps_per_round` times back to back (blocking on the
+    last result), and the order of the functions rotates from round to round, so slow
+    phases of a shared machine hit every variant alike.
+
+    Args:
+      fns: name -> a thunk that runs one step and returns something to block on.
+      rounds: number of rounds (samples per function).
+      steps_per_round: steps timed together per sample.
+      warmup: untimed calls of each function first (compilation, caches).
+
+    Returns:
+      name -> list of `rounds` per-step times in seconds, in round order.
+    """
+    import jax
+
+    if rounds < 1 or steps_per_round < 1:
+        raise ValueError(
+            f"rounds and steps_per_round must be >= 1, got {rounds}, {steps_per_round}"
+        )
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            jax.block_until_ready(fns[name]())
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            fn = fns[name]
+            out = None
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                out = fn()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / steps_per_round)
+    return times
+
+
+def summary(samples: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of a list of samples."""
+    if not samples:
+        raise ValueError("summary of no samples")
+    return {
+        "median": float(statistics.median(samples)),
+        "min": float(min(samples)),
+        "max": float(max(samples)),
+    }
+
+
+def paired_ratio(times: Mapping[str, Sequence[float]], name: str, baseline: str) -> dict:
+    """Median, min and max of the per-round ratio `times[name] / times[baseline]`.
+
+    Rounds are paired, so machine-wide slow phases cancel out of the ratio.
+    """
+    ratios = [a / b for a, b in zip(times[name], times[baseline], strict=True)]
+    return summary(ratios)
+
+
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9\-]*)\(")
+
+
+def entry_op_counts(hlo_text: str) -> collections.Counter:
+    """Opcode -> count over the top-level instructions of an HLO module's ENTRY computation.
+
+    Fusions count as "fusion"; use it to spot extra passes, e.g. `copy` (buffer copies XLA
+    inserted) or `conditional`.
+    """
+    start = hlo_text.find("\nENTRY")
+    if start < 0:
+        raise ValueError("entry_op_counts: no ENTRY computation in this HLO text")
+    body = hlo_text[start:].split("\n}", 1)[0]
+    counts: collections.Counter = collections.Counter()
+    for line in body.splitlines()[1:]:
+        match = _INSTRUCTION.match(line)
+        if match and match.group(1) != "parameter":
+            counts[match.group(1)] += 1
+    return counts
+
+
+def cost_analysis(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, float]:
+    """Compiled cost of `fn(*args, **kwargs)`: XLA's "bytes accessed" and "flops", and
+    the number of `copy` instructions in the optimized HLO's entry computation.
+
+    `fn` may be a plain function (it is wrapped in `jax.jit`) or already jitted (its own
+    options, such as donation, are kept).
+    """
+    import jax
+
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    compiled = jitted.lower(*args, **kwargs).compile()
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
+        analysis = analysis[0] if analysis else {}
+    analysis = analysis or {}
+    return {
+        "bytes accessed": float(analysis.get("bytes accessed", float("nan"))),
+        "flops": float(analysis.get("flops", float("nan"))),
+        "copies": entry_op_counts(compiled.as_text())["copy"],
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    """Date, CPU count, load, Python/jax versions and the jax platform of this run."""
+    import jax
+    import jaxlib
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = []
+    devices = jax.devices()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable,
+        "load_average": load,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def _cell(x: Any) -> str:
+    if isinstance(x, float):
+        if x != x:
+            return "n/a"
+        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
+    return str(x).replace("|", "\\|")
+
+
+def format_markdown(result: Mapping[str, Any]) -> str:
+    """A benchmark result as a Markdown table followed by its notes."""
+    cols = list(result["columns"])
+    lines = ["| " + " | ".join(_cell(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    notes = result.get("notes", "")
+    if notes:
+        lines += ["", notes]
+    return "\n".join(lines)
+
+
+def format_text(result: Mapping[str, Any]) -> str:
+    """A benchmark result as an aligned plain-text table (for the terminal)."""
+    cols = [str(c) for c in result["columns"]]
+    rows = [[_cell(c) for c in row] for row in result["rows"]]
+    widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
+    out = [result.get("title", ""), ""]
+    out.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    if result.get("notes"):
+        out += ["", result["notes"]]
+    return "\n".join(out)
+
+
+def check_result(result: Any) -> None:
+    """Raises ValueError unless `result` follows the benchmark contract."""
+    if not isinstance(result, Mapping):
+        raise ValueError(f"a benchmark must return a dict, got {type(result).__name__}")
+    for key, kind in (("title", str), ("columns", list), ("rows", list), ("notes", str)):
+        if not isinstance(result.get(key), kind):
+            raise ValueError(f"benchmark result: {key!r} must be a {kind.__name__}")
+    for i, row in enumerate(result["rows"]):
+        if not isinstance(row, list) or len(row) != len(result["columns"]):
+            raise ValueError(
+                f"benchmark result: row {i} has {len(row)} cells, expected {len(result['columns'])}"
+            )
+        for cell in row:
+            if not isinstance(cell, (str, int, float)):
+                raise ValueError(
+                    f"benchmark result: row {i} has a {type(cell).__name__} cell; "
+                    "cells are str, int or float"
+                )
+
+
+def main(run: Callable[..., dict], argv: Sequence[str] | None = None) -> dict:
+    """The `__main__` of a benchmark script: `--quick` flag, prints the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        result = run(quick=args.quick)
+    except Skip as exc:
+        raise SystemExit(f"skipped: {exc}") from None
+    check_result(result)
+    print(format_text(result))
+    return result

@@ -1,0 +1,54 @@
+"""`apply_policy`: per-module precision policies for Flax linen and NNX models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+from flax import nnx
+
+from mpjax.policy.defaults import DEFAULTS, Defaults
+from mpjax.policy.linen import apply_linen_policy
+from mpjax.policy.nnx import apply_nnx_policy
+
+__all__ = ["apply_policy"]
+
+
+def apply_policy(module: Any, policy: Any, *, defaults: Defaults = DEFAULTS) -> Any:
+    """Runs a Flax model under per-module precision policies.
+
+    `policy` is a `Policy`, a spec string, or a `{selector: policy}` mapping whose
+    selectors are module classes (subclasses match), regexes `re.fullmatch`-ed against
+    the module path (`"encoder/layers_3/attn"`; the root is `""`) or `"*"`. A module's
+    own path rule beats its class rule, which beats its parent's policy; the root
+    falls back to `"*"`. Then `defaults` keep normalisation layers, attention softmax
+    and the final logits in float32 under low-precision compute (see `Defaults`).
+
+    Args:
+      module: a `flax.linen.Module` (a `PolicyModule` with the same `init`/`apply` and
+        variable tree is returned) or a `flax.nnx.Module` (changed in place and
+        returned).
+      policy: the policy or rule mapping.
+      defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
+
+    Returns:
+      The policy-wrapped linen module, or the NNX model itself.
+
+    Raises:
+      TypeError: `module` is not a Flax module; a selector is not a module class of
+        the same framework, a string, or `"*"`.
+      ValueError: an invalid regex or policy spec, naming the selector; at call time,
+        a module matched by two rules of the same kind, naming both.
+
+    Example:
+      >>> import flax.linen as nn
+      >>> model = apply_policy(nn.Dense(3), {"*": "p=f32,c=bf16", nn.LayerNorm: "f32"})
+    """
+    if isinstance(module, nn.Module):
+        return apply_linen_policy(module, policy, defaults=defaults)
+    if isinstance(module, nnx.Module):
+        return apply_nnx_policy(module, policy, defaults=defaults)
+    raise TypeError(
+        "apply_policy expects a flax.linen.Module or a flax.nnx.Module, "
+        f"got {type(module).__name__}"
+    )
