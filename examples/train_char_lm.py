@@ -158,61 +158,52 @@ class DecoderBlock(nn.Module):
     """Pre-LayerNorm block: causal self-attention and a GELU MLP, each with a residual."""
 
     num_heads: int
-    dtype: Any = None  # set by `apply_precision` only
-    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         d_model = x.shape[-1]
-        h = nn.LayerNorm(dtype=jnp.float32)(x)
-        h = nn.MultiHeadDotProductAttention(
-            self.num_heads,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            force_fp32_for_softmax=True,
-        )(h, h, mask=mask)
-        x = x + h.astype(x.dtype)
-        h = nn.LayerNorm(dtype=jnp.float32)(x)
-        h = nn.Dense(4 * d_model, dtype=self.dtype, param_dtype=self.param_dtype)(h)
-        h = nn.gelu(h)
-        h = nn.Dense(d_model, dtype=self.dtype, param_dtype=self.param_dtype)(h)
-        return x + h.astype(x.dtype)
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(self.num_heads)(h, h, mask=mask)
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(d_model)(nn.gelu(nn.Dense(4 * d_model)(h)))
+        return x + h
 
 
 class CharTransformer(nn.Module):
-    """A decoder-only transformer over bytes: embeddings, `num_layers` blocks, LayerNorm, head."""
+    """A decoder-only transformer over bytes: embeddings, `num_layers` blocks, LayerNorm, head.
+
+    A plain float32 Flax module: precision is applied from outside (`apply_precision`).
+    """
 
     vocab_size: int = 256
     d_model: int = 64
     num_layers: int = 2
     num_heads: int = 4
     max_len: int = 64
-    dtype: Any = None  # set by `apply_precision` only
-    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         length = tokens.shape[-1]
         if length > self.max_len:
             raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
-        emb = nn.Embed(self.vocab_size, self.d_model, param_dtype=self.param_dtype)
-        pos = nn.Embed(self.max_len, self.d_model, param_dtype=self.param_dtype)
-        x = (emb(tokens) + pos(jnp.arange(length))).astype(jnp.float32)
+        x = nn.Embed(self.vocab_size, self.d_model)(tokens)
+        x = x + nn.Embed(self.max_len, self.d_model)(jnp.arange(length))
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.num_layers):
-            x = DecoderBlock(self.num_heads, dtype=self.dtype, param_dtype=self.param_dtype)(
-                x, mask
-            )
-        x = nn.LayerNorm(dtype=jnp.float32)(x)
-        logits = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype)(x)
-        return logits.astype(jnp.float32)
+            x = DecoderBlock(self.num_heads)(x, mask)
+        return nn.Dense(self.vocab_size)(nn.LayerNorm()(x))
 
 
 def apply_precision(model: nn.Module, policy: mpjax.Policy) -> Callable:
-    """Returns `apply(variables, tokens) -> logits` running `model` under `policy`: params in
-    its param dtype, matmuls in its compute dtype, LayerNorm and softmax in float32, logits
-    in float32."""
-    return model.clone(dtype=policy.compute_dtype, param_dtype=policy.param_dtype).apply
+    """Returns `model.apply` rewritten by `mpjax.autocast` to run under `policy`.
+
+    Params are used in the dtype they are given in (float32 here; their gradients come
+    back in it); matmuls take `policy.compute_dtype` operands and accumulate in float32;
+    LayerNorm statistics, softmax and other reductions run in float32; the logits leave
+    in `policy.output_dtype`. `mpjax.apply_policy(model, policy)` is the module-level
+    alternative (see `train_digits.py`).
+    """
+    return mpjax.autocast(model.apply, policy)
 
 
 class TrainFns(NamedTuple):

@@ -142,47 +142,47 @@ class ResidualBlock(nn.Module):
     """Conv -> BatchNorm -> ReLU -> Conv -> BatchNorm, plus the input, then ReLU."""
 
     features: int
-    dtype: Any = None  # set by `apply_precision` only
-    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-        conv = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-        norm = dict(use_running_average=not train, momentum=0.9, dtype=jnp.float32)
-        y = nn.Conv(self.features, (3, 3), **conv)(x)
-        y = nn.relu(nn.BatchNorm(**norm)(y))
-        y = nn.Conv(self.features, (3, 3), **conv)(y)
-        y = nn.BatchNorm(scale_init=nn.initializers.zeros, **norm)(y)
+        y = nn.Conv(self.features, (3, 3), use_bias=False)(x)
+        y = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(y))
+        y = nn.Conv(self.features, (3, 3), use_bias=False)(y)
+        y = nn.BatchNorm(
+            use_running_average=not train, momentum=0.9, scale_init=nn.initializers.zeros
+        )(y)
         return nn.relu(x + y)
 
 
 class DigitsResNet(nn.Module):
-    """A small ResNet: stem Conv-BN-ReLU, residual blocks, global average pool, Dense head."""
+    """A small ResNet: stem Conv-BN-ReLU, residual blocks, global average pool, Dense head.
+
+    A plain float32 Flax module: precision is applied from outside (`apply_precision`).
+    """
 
     width: int = 32
     num_blocks: int = 2
     num_classes: int = 10
-    dtype: Any = None  # set by `apply_precision` only
-    param_dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        x = nn.Conv(
-            self.width, (3, 3), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype
-        )(x)
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=jnp.float32)(x)
-        x = nn.relu(x)
+        x = nn.Conv(self.width, (3, 3), use_bias=False)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
         for _ in range(self.num_blocks):
-            x = ResidualBlock(self.width, dtype=self.dtype, param_dtype=self.param_dtype)(x, train)
+            x = ResidualBlock(self.width)(x, train)
         x = jnp.mean(x, axis=(1, 2))
-        x = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype)(x)
-        return x.astype(jnp.float32)
+        return nn.Dense(self.num_classes)(x)
 
 
 def apply_precision(model: nn.Module, policy: mpjax.Policy) -> nn.Module:
-    """Returns `model` under `policy`: params in its param dtype, convs/dense in its compute
-    dtype, BatchNorm in float32, logits in float32."""
-    return model.clone(dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+    """Wraps `model` with `mpjax.apply_policy` under `policy`.
+
+    Params stay in `policy.param_dtype`; convolutions and the Dense head run in
+    `policy.compute_dtype`, and activations pass between layers in it; BatchNorm computes
+    in float32 and the logits leave in float32 (`mpjax.DEFAULTS`).
+    """
+    per_layer = dataclasses.replace(policy, output_dtype=policy.compute_dtype)
+    return mpjax.apply_policy(model, per_layer)
 
 
 def build_model(config: DigitsConfig) -> nn.Module:
