@@ -189,11 +189,20 @@ def summarise(
                 f"{shown} (n={len(runs)})",
                 f"{np.mean([r.final_loss for r in runs]):.4f}",
                 f"{np.mean([r.skipped_steps for r in runs]):g}",
-                f"{np.mean([r.final_loss_scale for r in runs]):g}",
+                _format_scale(float(np.mean([r.final_loss_scale for r in runs]))),
                 f"{sum(r.wall_s for r in runs):.1f}",
             ]
         )
     return columns, rows
+
+
+def _format_scale(scale: float) -> str:
+    """`2^k` for a power of two, else the number."""
+    if scale > 0 and math.isfinite(scale):
+        exponent = math.log2(scale)
+        if exponent == int(exponent):
+            return "1" if exponent == 0 else f"2^{int(exponent)}"
+    return f"{scale:g}"
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -250,7 +259,8 @@ def plot_runs(results: Sequence[RunResult], path: str | Path, title: str) -> Pat
 
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
     unscaled: list[str] = []
-    for name in order:
+    styles = ("-", "--", ":", "-.")
+    for i, name in enumerate(order):
         runs = [r for r in results if r.precision == name]
         loss = np.nanmean(
             np.stack(
@@ -260,7 +270,7 @@ def plot_runs(results: Sequence[RunResult], path: str | Path, title: str) -> Pat
         )
         window = max(1, len(loss) // 50)
         steps = np.arange(1, len(loss) + 1)
-        ax_loss.plot(steps, _smooth(loss, window), label=name)
+        ax_loss.plot(steps, _smooth(loss, window), styles[i % len(styles)], label=name)
         first = runs[0]
         scale = first.history["loss_scale"]
         if np.all(scale == 1.0):

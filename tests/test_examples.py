@@ -224,7 +224,8 @@ def test_summarise_reports_mean_and_std_over_seeds():
     assert rows[0][2] == f"{tail.mean():.4f}"
     assert rows[0][3] == f"{4 / 3:g}"
     assert rows[0][5] == "4.5"
-    assert rows[1][:2] == ["fp16", "96.25 (n=1)"] and rows[1][4] == "32768"
+    assert rows[1][:2] == ["fp16", "96.25 (n=1)"] and rows[1][4] == "2^15"
+    assert rows[0][4] == "1"
 
 
 def test_plot_runs_writes_a_png(tmp_path):
