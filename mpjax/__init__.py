@@ -1,6 +1,6 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax import policy, scaling
+from mpjax import nn, pallas, policy, scaling
 from mpjax.policy import (
     DEFAULTS,
     NO_DEFAULTS,
@@ -51,7 +51,9 @@ __all__ = [
     "get_loss_scale",
     "get_policy",
     "loss_scaled",
+    "nn",
     "nonfinite_report",
+    "pallas",
     "policy",
     "scale_loss",
     "scaling",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -59,6 +60,14 @@ def _keeps_master(p: Any, master_weights: bool | str) -> bool:
     if master_weights == "auto":
         return jnp.dtype(p.dtype).itemsize < 4
     return bool(master_weights)
+
+
+def _checks_new_value(target: Any, check_new_values: bool | str) -> bool:
+    if target is None:
+        return False
+    if check_new_values == "auto":
+        return target.dtype == jnp.float16
+    return bool(check_new_values)
 
 
 def _wide(x: jax.Array) -> jax.Array:
@@ -147,6 +156,9 @@ def loss_scaled(
     axis_name: str | tuple[str, ...] | None = None,
     unscale_and_check: Any = None,
     max_consecutive_skips: int | None = None,
+    check_new_values: bool | str = "auto",
+    skip_impl: str = "auto",
+    impl: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` with loss scaling, FP32 master weights and finite-check skip steps.
 
@@ -173,14 +185,27 @@ def loss_scaled(
         precision params are then widened to float32 for each update and rounded back).
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
-      unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`;
-        None uses plain XLA ops.
+      unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
+        replacing the built-in one; None uses `mpjax.pallas.unscale_and_check` with `impl`.
       max_consecutive_skips: if set, the step that would be the N-th non-finite step in
         a row raises `TrainingDivergedError` from inside the compiled step (it reaches
         Python as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error
         and the loss scale) instead of training on silently. Off by default: a
         persistently non-finite model then keeps skipping with the scale at
         `min_scale`, visible in `scaling_metrics`.
+      check_new_values: whether a step with finite gradients is also skipped when the new
+        value of a param would overflow to inf. "auto" checks float16 params (max 65504,
+        the one dtype a finite step overflows in practice); True checks every floating
+        param (bf16/float32 overflow needs updates near 3e38; the check costs one more
+        reduction per leaf); False checks none.
+      skip_impl: how a skipped step keeps the state: "select" computes the step and
+        selects old or new values (fuses into the update on GPU); "cond" runs the step
+        under `lax.cond` (on XLA:CPU, selecting over donated buffers costs a copy of the
+        optimizer state per step); "auto" uses "cond" on CPU and "select" elsewhere.
+        The results are the same.
+      impl: the unscale + finite check: "auto" (the multi-tensor Pallas kernel on CUDA
+        GPUs — one launch per 128 leaves instead of a reduction per leaf — plain XLA
+        elsewhere), "pallas", "interpret" or "xla".
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -198,6 +223,14 @@ def loss_scaled(
             "loss_scaled: inner must be an optax GradientTransformation, "
             f"got {type(inner).__name__}"
         )
+    if check_new_values not in ("auto", True, False):
+        raise ValueError(
+            f"loss_scaled: check_new_values must be 'auto', True or False, got {check_new_values!r}"
+        )
+    if skip_impl not in ("auto", "cond", "select"):
+        raise ValueError(
+            f"loss_scaled: skip_impl must be 'auto', 'cond' or 'select', got {skip_impl!r}"
+        )
     if master_weights not in ("auto", True, False):
         raise ValueError(
             f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
@@ -213,7 +246,16 @@ def loss_scaled(
             f"got {max_consecutive_skips!r}"
         )
     inner = optax.with_extra_args_support(inner)
-    check = xla_unscale_and_check if unscale_and_check is None else unscale_and_check
+    if unscale_and_check is None:
+        # Imported here: the kernels build on this module's XLA reference.
+        from mpjax.pallas.dispatch import IMPLS
+        from mpjax.pallas.unscale import unscale_and_check as kernel
+
+        if impl not in IMPLS:
+            raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
+        check = functools.partial(kernel, impl=impl)
+    else:
+        check = unscale_and_check
 
     def init_fn(params):
         master = jax.tree.map(
@@ -244,13 +286,10 @@ def loss_scaled(
 
         unscaled, grads_finite = check(grads, state.loss_scale.loss_scale)
         grads_finite = jnp.asarray(grads_finite, jnp.bool_)
-
-        view = _view(params, state.master)
-        inner_grads = jax.tree.map(
-            lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
-        )
-        inner_updates, new_inner = inner.update(inner_grads, state.inner_state, view, **extra_args)
+        if axis_name is not None:
+            grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
         is_masked = lambda x: isinstance(x, _MASKED)  # noqa: E731
+        is_cand = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
 
         def candidate(p, m, v, u):
             """(step in the wide dtype, new wide value) of one floating leaf."""
@@ -265,54 +304,90 @@ def loss_scaled(
                 return d, p + d
             return u, v + u
 
-        cands = jax.tree.map(
-            candidate, params, state.master, view, inner_updates, is_leaf=is_masked
-        )
-        is_cand = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
-
-        # The new values the params will hold: a step whose gradients are finite can still
-        # overflow them (a param near the top of its range), and is then skipped too.
-        targets = jax.tree.map(
-            lambda p, c: None if c is None else c[1].astype(p.dtype),
-            params,
-            cands,
-            is_leaf=is_cand,
-        )
-        import os
-        mode = os.environ.get("CHK", "all")
-        if mode == "all":
-            ok = jnp.logical_and(grads_finite, all_finite(targets))
-        elif mode == "low":
-            low = jax.tree.map(lambda p, t: t if (t is not None and p.dtype != _wide_dtype(p.dtype)) else None, params, targets, is_leaf=lambda x: x is None)
-            ok = jnp.logical_and(grads_finite, all_finite(low))
-        else:
-            ok = grads_finite
-        if axis_name is not None:
-            flags = jnp.stack([grads_finite, ok]).astype(jnp.int32)
-            grads_finite, ok = jax.lax.pmin(flags, axis_name).astype(jnp.bool_)
-        finite = ok
-
-        def new_master_leaf(m, c):
-            return m if is_masked(m) else jnp.where(finite, c[1], m)
-
-        new_master = jax.tree.map(new_master_leaf, state.master, cands, is_leaf=is_masked)
-
-        def param_update(p, c, target):
-            if c is None:
-                return jnp.zeros_like(p)
+        def param_step(p, c, target):
             u, _ = c
             if p.dtype == u.dtype:
-                step = u  # p + u is the new value itself
-            else:
-                wide = u.dtype
-                step = target.astype(wide) - p.astype(wide)
-                # x + (-0.0) == x for every x, signed zeros included; +0.0 is not.
-                same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
-                step = jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
-            return jnp.where(finite, step, jnp.array(-0.0, step.dtype))
+                return u  # p + u is the new value itself
+            wide = u.dtype
+            step = target.astype(wide) - p.astype(wide)
+            # x + (-0.0) == x for every x, signed zeros included; +0.0 is not.
+            same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
+            return jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
 
-        updates = jax.tree.map(param_update, params, cands, targets, is_leaf=is_cand)
-        new_inner = select_tree(finite, new_inner, state.inner_state)
+        def take_step(unscaled):
+            """The step on finite gradients: (updates, inner state, master, values finite)."""
+            view = _view(params, state.master)
+            inner_grads = jax.tree.map(
+                lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
+            )
+            inner_updates, new_inner = inner.update(
+                inner_grads, state.inner_state, view, **extra_args
+            )
+            cands = jax.tree.map(
+                candidate, params, state.master, view, inner_updates, is_leaf=is_masked
+            )
+            targets = jax.tree.map(
+                lambda p, c: None if c is None else c[1].astype(p.dtype),
+                params,
+                cands,
+                is_leaf=is_cand,
+            )
+            # A step with finite gradients can still overflow a param near the top of its
+            # range: it is then skipped too.
+            checked = [
+                t for t in jax.tree.leaves(targets) if _checks_new_value(t, check_new_values)
+            ]
+            ok = all_finite(checked)
+            if checked and axis_name is not None:
+                ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+            new_master = jax.tree.map(
+                lambda m, c: m if is_masked(m) else jnp.where(ok, c[1], m),
+                state.master,
+                cands,
+                is_leaf=is_masked,
+            )
+            updates = jax.tree.map(
+                lambda p, c, t: (
+                    jnp.zeros_like(p)
+                    if c is None
+                    else jnp.where(ok, param_step(p, c, t), jnp.array(-0.0, c[0].dtype))
+                ),
+                params,
+                cands,
+                targets,
+                is_leaf=is_cand,
+            )
+            if checked:
+                new_inner = select_tree(ok, new_inner, state.inner_state)
+            return updates, new_inner, new_master, ok
+
+        def skip_step(unscaled):
+            del unscaled
+            updates = jax.tree.map(
+                lambda p: (
+                    jnp.full(p.shape, -0.0, _wide_dtype(p.dtype))
+                    if _is_floating(p)
+                    else jnp.zeros_like(p)
+                ),
+                params,
+            )
+            return updates, state.inner_state, state.master, jnp.array(False)
+
+        def by_cond(unscaled):
+            return jax.lax.cond(grads_finite, take_step, skip_step, unscaled)
+
+        def by_select(unscaled):
+            return select_tree(grads_finite, take_step(unscaled), skip_step(unscaled))
+
+        if skip_impl == "cond":
+            updates, new_inner, new_master, ok = by_cond(unscaled)
+        elif skip_impl == "select":
+            updates, new_inner, new_master, ok = by_select(unscaled)
+        else:
+            updates, new_inner, new_master, ok = jax.lax.platform_dependent(
+                unscaled, cpu=by_cond, default=by_select
+            )
+        finite = jnp.logical_and(grads_finite, ok)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
         if max_consecutive_skips is not None:

@@ -1,0 +1,17 @@
+"""Pallas GPU kernels (Triton backend) with interpret-mode and XLA fallbacks."""
+
+from mpjax.pallas.dispatch import IMPLS, dispatch
+from mpjax.pallas.epilogue import ACTIVATIONS, conv_epilogue, conv_epilogue_reference
+from mpjax.pallas.stats import channel_stats, channel_stats_reference
+from mpjax.pallas.unscale import unscale_and_check
+
+__all__ = [
+    "ACTIVATIONS",
+    "IMPLS",
+    "channel_stats",
+    "channel_stats_reference",
+    "conv_epilogue",
+    "conv_epilogue_reference",
+    "dispatch",
+    "unscale_and_check",
+]

@@ -1,0 +1,66 @@
+"""The one dispatch point of the Pallas kernels: `impl` in {"auto", "pallas", "interpret", "xla"}.
+
+Every kernel in `mpjax.pallas` calls `dispatch` with a Pallas implementation (the kernel, run
+compiled for the GPU or in Pallas interpret mode) and an XLA reference (plain `jax.numpy`).
+`"auto"` stages both out behind `jax.lax.platform_dependent`: the Pallas kernel when the program
+runs on a CUDA GPU, the XLA reference elsewhere; unsupported inputs go to XLA on every platform.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["IMPLS", "check_impl", "dispatch"]
+
+IMPLS = ("auto", "pallas", "interpret", "xla")
+
+
+def check_impl(impl: Any, where: str) -> str:
+    """Returns `impl` if it is one of `IMPLS`, else raises a ValueError naming `where`."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"{where}: impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def dispatch(
+    where: str,
+    impl: str,
+    args: Sequence[Any],
+    *,
+    kernel: Callable[..., Any],
+    reference: Callable[..., Any],
+    unsupported: str | None = None,
+) -> Any:
+    """Runs `kernel` or `reference` on `args` as `impl` asks.
+
+    Args:
+      where: the public function's name, for error messages.
+      impl: "pallas" (the kernel compiled for the GPU), "interpret" (the same kernel body in
+        Pallas interpret mode, any platform), "xla" (the reference) or "auto" (the kernel on
+        CUDA GPUs, the reference elsewhere, chosen when the program is lowered).
+      args: positional arguments (pytrees of arrays) for both implementations.
+      kernel: `kernel(*args, interpret=bool)`, the Pallas implementation.
+      reference: `reference(*args)`, the XLA implementation; same outputs as `kernel`.
+      unsupported: None if the kernel takes these inputs, else the reason it does not.
+        "auto" then uses the reference; "pallas" and "interpret" raise a ValueError.
+
+    Returns:
+      The outputs of the chosen implementation.
+    """
+    impl = check_impl(impl, where)
+    if impl == "xla":
+        return reference(*args)
+    if unsupported is not None:
+        if impl == "auto":
+            return reference(*args)
+        raise ValueError(f"{where}: impl={impl!r} cannot run on these inputs: {unsupported}")
+    if impl == "interpret":
+        return kernel(*args, interpret=True)
+    if impl == "pallas":
+        return kernel(*args, interpret=False)
+    return jax.lax.platform_dependent(
+        *args, cuda=lambda *a: kernel(*a, interpret=False), default=reference
+    )

@@ -1,0 +1,167 @@
+"""Multi-tensor unscale and finite check of a gradient pytree: one Pallas kernel per 128 leaves.
+
+One `pallas_call` covers up to 128 leaves at once (like apex's multi-tensor apply): its 1-D grid
+is the concatenation of every leaf's blocks, each grid step finds the leaf it belongs to, reads
+that block once, writes `g * (1 / loss_scale)` in float32 (float64 for float64 leaves) and a 0/1
+finite flag for its own block. No leaf is copied into a flat buffer: each leaf is passed as its
+own operand (a free reshape to 1-D). The per-block flags are reduced outside the kernel, so no
+flag is shared between grid steps (that would race on the GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from mpjax.pallas.common import (
+    MAX_ELEMENTS,
+    compiler_params,
+    compute_dtype,
+    next_pow2,
+    offsets,
+    reciprocal,
+)
+from mpjax.pallas.dispatch import dispatch
+from mpjax.scaling.loss_scale import _is_floating
+from mpjax.scaling.loss_scaled import xla_unscale_and_check
+
+__all__ = ["unscale_and_check", "BLOCK", "MAX_LEAVES_PER_CALL"]
+
+# Elements per grid step of a large leaf (a power of two, as Triton requires).
+BLOCK = 4096
+# Smallest block: one element per thread of 4 warps.
+MIN_BLOCK = 128
+# Leaves per kernel launch: each leaf adds two pointers (16 bytes) to the kernel's parameters
+# (128 leaves take about 2 KiB of CUDA's 4 KiB) and one branch to the kernel body.
+MAX_LEAVES_PER_CALL = 128
+
+
+def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tuple[Any, jax.Array]:
+    """Unscales a gradient pytree to float32 and checks it for inf/NaN in one pass.
+
+    Floating leaves (float16, bfloat16, float32; float64 stays float64) become
+    `g.astype(float32) * (1 / loss_scale)` with the reciprocal rounded once, which is what XLA
+    makes of `g / loss_scale` (its algebraic simplifier rewrites a division by a broadcast
+    scalar); for power-of-two scales, such as `DynamicLossScale`'s, it is exactly
+    `g / loss_scale`. Other leaves pass through. The flag is whether every unscaled value is
+    finite. Drop-in for `mpjax.loss_scaled(..., unscale_and_check=...)`.
+
+    Args:
+      grads: a pytree of gradients (of the scaled loss).
+      loss_scale: the scalar loss scale.
+      impl: "auto" (the Pallas kernel on CUDA GPUs, XLA elsewhere), "pallas", "interpret" or
+        "xla"; see `mpjax.pallas.dispatch`.
+
+    Returns:
+      `(unscaled, all_finite)`: the unscaled pytree and a scalar bool array.
+
+    Example:
+      >>> import functools, optax
+      >>> tx = mpjax.loss_scaled(
+      ...     optax.adam(1e-3),
+      ...     unscale_and_check=functools.partial(mpjax.pallas.unscale_and_check, impl="auto"))
+    """
+    leaves, treedef = jax.tree.flatten(grads)
+    scale = jnp.asarray(loss_scale)
+    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(
+            "unscale_and_check: loss_scale must be a floating scalar, "
+            f"got {scale.dtype}{scale.shape}"
+        )
+    scale = scale.astype(jnp.float32)
+    where = [i for i, x in enumerate(leaves) if _is_floating(x)]
+    floating = [jnp.asarray(leaves[i]) for i in where]
+    too_big = [g.shape for g in floating if g.size > MAX_ELEMENTS]
+    unscaled, finite = dispatch(
+        "unscale_and_check",
+        impl,
+        (floating, scale),
+        kernel=_unscale_pallas,
+        reference=xla_unscale_and_check,
+        unsupported=f"leaves of shapes {too_big} exceed 2**31 elements" if too_big else None,
+    )
+    out = list(leaves)
+    for i, u in zip(where, unscaled, strict=True):
+        out[i] = u
+    return jax.tree.unflatten(treedef, out), finite
+
+
+def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[list, jax.Array]:
+    out: list = [None] * len(grads)
+    work = []
+    for i, g in enumerate(grads):
+        if g.size == 0:
+            out[i] = jnp.zeros(g.shape, compute_dtype(g.dtype))
+        else:
+            work.append(i)
+    scales = {d: scale.astype(d).reshape(1) for d in {compute_dtype(g.dtype) for g in grads}}
+    flags = []
+    for c in range(0, len(work), MAX_LEAVES_PER_CALL):
+        chunk = work[c : c + MAX_LEAVES_PER_CALL]
+        unscaled, chunk_flags = _unscale_call([grads[i] for i in chunk], scales, interpret)
+        for i, u in zip(chunk, unscaled, strict=True):
+            out[i] = u.reshape(grads[i].shape)
+        flags.append(chunk_flags)
+    if not flags:
+        return out, jnp.array(True)
+    return out, jnp.min(jnp.concatenate(flags)) > 0
+
+
+def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax.Array]:
+    """One kernel launch over `grads` (non-empty arrays); returns 1-D outputs and block flags."""
+    sizes = [int(g.size) for g in grads]
+    blocks = [min(BLOCK, max(MIN_BLOCK, next_pow2(n))) for n in sizes]
+    nblocks = [pl.cdiv(n, b) for n, b in zip(sizes, blocks, strict=True)]
+    starts = np.cumsum([0, *nblocks]).tolist()
+    out_dtypes = [compute_dtype(g.dtype) for g in grads]
+    k = len(grads)
+    scale_dtypes = sorted(set(out_dtypes), key=str)
+    nscales = len(scale_dtypes)
+
+    def kernel(*refs):
+        # One reciprocal per compute dtype, rounded once in that dtype (as XLA does), computed
+        # in the kernel: a separate XLA op would cost one more launch per step.
+        inverses = {
+            d: reciprocal(ref[...], interpret=interpret)
+            for d, ref in zip(scale_dtypes, refs[:nscales], strict=True)
+        }
+        refs = refs[nscales:]
+        x_refs, o_refs, flag_ref = refs[:k], refs[k : 2 * k], refs[2 * k]
+        pid = pl.program_id(0)
+        for j in range(k):
+
+            @pl.when((pid >= starts[j]) & (pid < starts[j + 1]))
+            def _(j=j):
+                b, dtype = blocks[j], out_dtypes[j]
+                mask = offsets(b, 0, (b,), pid - starts[j]) < sizes[j]
+                x = pltriton.load(x_refs[j], mask=mask, other=0).astype(dtype)
+                u = x * jnp.broadcast_to(inverses[dtype], (b,))
+                pltriton.store(o_refs[j], u, mask=mask)
+                ok = jnp.where(mask, jnp.isfinite(u), True).astype(jnp.int32)
+                flag_ref[...] = jnp.min(ok, keepdims=True)
+
+    def leaf_spec(j):
+        last = nblocks[j] - 1
+        return pl.BlockSpec((blocks[j],), lambda i: (jnp.clip(i - starts[j], 0, last),))
+
+    specs = [leaf_spec(j) for j in range(k)]
+    grid = starts[-1]
+    *unscaled, flags = pl.pallas_call(
+        kernel,
+        grid=(grid,),
+        in_specs=[pl.BlockSpec((1,), lambda i: (0,))] * nscales + specs,
+        out_specs=[*specs, pl.BlockSpec((1,), lambda i: (i,))],
+        out_shape=[
+            *(jax.ShapeDtypeStruct((n,), d) for n, d in zip(sizes, out_dtypes, strict=True)),
+            jax.ShapeDtypeStruct((grid,), jnp.int32),
+        ],
+        interpret=interpret,
+        compiler_params=None if interpret else compiler_params(num_warps=4),
+        name="mpjax_unscale_and_check",
+    )(*(scales[d] for d in scale_dtypes), *(g.reshape(-1) for g in grads))
+    return unscaled, flags
