@@ -4,6 +4,10 @@ The text is every top-level `.py` file of this interpreter's standard library (f
 `sysconfig`), concatenated in sorted order: real text, offline, no download. Tokens are
 bytes (vocabulary 256); the metric is validation loss in bits per byte.
 
+The model is a plain float32 Flax module; `apply_precision` rewrites its `apply` with
+`mpjax.autocast` (a jaxpr-level rewrite, like `torch.autocast`). `train_digits.py` shows
+the module-level alternative, `mpjax.apply_policy`.
+
 Run from the repository root:
 
     python examples/train_char_lm.py                # fp32, bf16, fp16; table + results/char_lm.png

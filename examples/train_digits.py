@@ -3,10 +3,12 @@
 Run from the repository root:
 
     python examples/train_digits.py                 # fp32, bf16, fp16; table + results/digits.png
-    python examples/train_digits.py --precisions fp32 fp16 fp16-noscale --loss-multiplier 1e-5
+    python examples/train_digits.py --precisions fp32 fp16 fp16-noscale --loss-multiplier 6.1e-5
 
-The training function is importable (`train`, `build_model`, `load_data`, ...) so tests
-and fault-injection experiments can run it at tiny sizes.
+The model is a plain float32 Flax module; `apply_precision` wraps it with
+`mpjax.apply_policy`, and the optimiser is `mpjax.loss_scaled(optax.adamw(...))`. The
+training function is importable (`train`, `build_model`, `load_data`, ...) so tests and
+fault-injection experiments can run it at tiny sizes.
 """
 
 from __future__ import annotations
@@ -422,8 +424,8 @@ def _parser() -> argparse.ArgumentParser:
         "--loss-multiplier",
         type=float,
         default=d.loss_multiplier,
-        help="multiply the loss by this before differentiating (e.g. 1e-5 makes fp16 "
-        "gradients underflow without loss scaling)",
+        help="multiply the loss by this before differentiating (e.g. 6.1e-5 = 2^-14 "
+        "makes fp16 gradients underflow without loss scaling; see underflow_demo.py)",
     )
     p.add_argument(
         "--initial-scale", type=float, default=d.initial_scale, help="initial fp16 loss scale"
