@@ -29,7 +29,14 @@ import numpy as np
 import optax
 
 from examples.common import RunResult, format_table, plot_runs, summarise
-from examples.train_digits import DigitsConfig, DigitsData, build_model, load_data, train
+from examples.train_digits import (
+    DigitsConfig,
+    DigitsData,
+    build_model,
+    load_data,
+    make_train_fns,
+    train,
+)
 
 __all__ = ["DEFAULT_MULTIPLIER", "gradient_underflow", "main", "run_experiment"]
 
@@ -116,8 +123,6 @@ def run_experiment(
       `(runs, markdown_table)`; the table adds the gradient underflow measured at
       initialisation (`gradient_underflow`) to the usual columns.
     """
-    from examples.train_digits import make_train_fns
-
     data = load_data()
     results = []
     for precision in PRECISIONS:
