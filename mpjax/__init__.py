@@ -1,6 +1,7 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax import nn, pallas, policy, scaling
+from mpjax import inference, nn, pallas, policy, scaling
+from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
     DEFAULTS,
     NO_DEFAULTS,
@@ -37,6 +38,8 @@ __all__ = [
     "Defaults",
     "NO_DEFAULTS",
     "DynamicLossScale",
+    "FoldReport",
+    "InferenceModel",
     "LossScale",
     "LossScaledState",
     "NoOpLossScale",
@@ -47,9 +50,11 @@ __all__ = [
     "all_finite",
     "apply_policy",
     "autocast",
+    "convert_for_inference",
     "find_loss_scaled_state",
     "get_loss_scale",
     "get_policy",
+    "inference",
     "loss_scaled",
     "nn",
     "nonfinite_report",

@@ -41,6 +41,14 @@ MIN_BLOCK = 128
 MAX_LEAVES_PER_CALL = 128
 
 
+def _shape_like(like: Any, shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:
+    """An output shape that varies over the mesh axes `like` (an array or a list) varies
+    over, as `pallas_call` needs under `shard_map` with `check_vma`."""
+    mats = [jax.typeof(x).mat for x in (like if isinstance(like, list) else [like])]
+    varying = frozenset().union(*(m.varying for m in mats))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+
+
 def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tuple[Any, jax.Array]:
     """Unscales a gradient pytree to float32 and checks it for inf/NaN in one pass.
 
@@ -157,8 +165,8 @@ def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax
         in_specs=[pl.BlockSpec((1,), lambda i: (0,))] * nscales + specs,
         out_specs=[*specs, pl.BlockSpec((1,), lambda i: (i,))],
         out_shape=[
-            *(jax.ShapeDtypeStruct((n,), d) for n, d in zip(sizes, out_dtypes, strict=True)),
-            jax.ShapeDtypeStruct((grid,), jnp.int32),
+            *(_shape_like(g, (n,), d) for g, n, d in zip(grads, sizes, out_dtypes, strict=True)),
+            _shape_like(grads, (grid,), jnp.int32),
         ],
         interpret=interpret,
         compiler_params=None if interpret else compiler_params(num_warps=4),
