@@ -265,9 +265,13 @@ def test_digits_mixed_precision_matches_fp32(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp16_without_loss_scaling_loses_accuracy():
-    runs, _ = underflow_demo.run_experiment(1, png=None, progress=False, steps=150)
-    acc = {r.precision: r.metric for r in runs}
+def test_fp16_without_loss_scaling_loses_accuracy(digits):
+    acc = {}
+    for precision in underflow_demo.PRECISIONS:
+        config = train_digits.DigitsConfig(
+            precision=precision, loss_multiplier=underflow_demo.DEFAULT_MULTIPLIER, steps=150
+        )
+        acc[precision] = train_digits.train(config, seed=0, data=digits).metric
     assert acc["fp32"] > 95.0, acc
     assert abs(acc["fp16"] - acc["fp32"]) <= 1.0, acc
     assert acc["fp16-noscale"] < acc["fp32"] - 20.0, acc
