@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpjax.scaling.diagnostics import TrainingDivergedError
@@ -19,14 +20,7 @@ from mpjax.scaling.loss_scale import (
     select_tree,
 )
 
-__all__ = [
-    "LossScaledState",
-    "loss_scaled",
-    "find_loss_scaled_state",
-    "scale_loss",
-    "get_loss_scale",
-    "scaling_metrics",
-]
+__all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
 
 _MASKED = optax.MaskedNode
 
@@ -121,6 +115,25 @@ def _check_same_structure(grads: Any, params: Any) -> None:
     )
 
 
+_SUPPORTED_FLOATS = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
+
+
+def _check_param_dtypes(params: Any) -> None:
+    """Refuses complex and exotic floating params, naming the leaf, rather than freezing them."""
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(p, "dtype", None)
+        if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            continue
+        if jnp.issubdtype(dtype, jnp.complexfloating) or (
+            jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype) not in _SUPPORTED_FLOATS
+        ):
+            raise TypeError(
+                f"loss_scaled: param {jax.tree_util.keystr(path)} has dtype {jnp.dtype(dtype)}; "
+                "supported floating dtypes are float16, bfloat16, float32 and float64 "
+                "(int and bool params pass through untouched)"
+            )
+
+
 def _check_loss_scale(loss_scale: Any) -> LossScale:
     if loss_scale is None:
         return DynamicLossScale()
@@ -173,9 +186,17 @@ def loss_scaled(
     Non-floating leaves of the params (ints, bools) are not shown to `inner`; their
     updates are zeros of their own dtype, so they pass through untouched.
 
-    With `optax.MultiSteps`, nest it as `optax.MultiSteps(loss_scaled(inner), k)`: the
-    scale then stays fixed within an accumulation window and one check covers the
-    accumulated gradients.
+    `loss_scaled` must be the last transformation of a chain: the master weights follow
+    its own step, so a transformation after it that changes the updates would make the
+    params and master drift apart. Params changed outside the optimizer (clipped,
+    projected, reloaded) need a new `init`: leaves with a master are reset to it.
+
+    For gradient accumulation, put `optax.MultiSteps` inside:
+    `loss_scaled(optax.MultiSteps(inner, k))` (accepted as is). Each micro-batch is then
+    unscaled and checked before it is accumulated, so an overflowing micro-batch is
+    dropped and training goes on. The other nesting, `MultiSteps(loss_scaled(inner), k)`,
+    does not recover: optax resets its accumulator by multiplying with 0, and 0 * NaN
+    stays NaN, so every later window would be skipped.
 
     Args:
       inner: the optax transformation to run on unscaled float32 gradients.
@@ -218,6 +239,8 @@ def loss_scaled(
       >>> updates, state = tx.update(grads, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "loss_scaled: inner must be an optax GradientTransformation, "
@@ -258,6 +281,7 @@ def loss_scaled(
         check = unscale_and_check
 
     def init_fn(params):
+        _check_param_dtypes(params)
         master = jax.tree.map(
             lambda p: _wide(p) if _keeps_master(p, master_weights) else _MASKED(), params
         )
@@ -398,7 +422,7 @@ def loss_scaled(
             loss_scale=state.loss_scale.adjust(grads_finite),
             grads_finite=grads_finite,
             skipped_steps=state.skipped_steps + skipped,
-            consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32),
+            consecutive_skips=consecutive,
         )
         return updates, new_state
 
@@ -407,9 +431,14 @@ def loss_scaled(
 
 def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
     def fail(n, s):
+        # Under vmap, lax.cond becomes a select and this runs on every step: check again.
+        n, s = np.asarray(n), np.asarray(s)
+        if not np.any(n >= limit):
+            return
+        n, s = int(np.max(n)), float(np.min(s))
         raise TrainingDivergedError(
-            f"TrainingDivergedError: mpjax.loss_scaled saw {int(n)} non-finite steps in a row "
-            f"(max_consecutive_skips={limit}; loss scale {float(s):g}). The model produces "
+            f"TrainingDivergedError: mpjax.loss_scaled saw {n} non-finite steps in a row "
+            f"(max_consecutive_skips={limit}; loss scale {s:g}). The model produces "
             "inf/NaN gradients at every scale: check the loss and the inputs, or find the "
             "overflowing layer with mpjax.scaling.nonfinite_report(grads)."
         )
@@ -419,67 +448,3 @@ def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> 
         lambda: jax.debug.callback(fail, consecutive, scale),
         lambda: None,
     )
-
-
-def _unwrap(x: Any) -> Any:
-    """Unwraps flax.nnx Variables (nnx.Optimizer stores opt_state leaves in them)."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return x
-    if isinstance(x, nnx.Variable):
-        return x.get_value() if hasattr(x, "get_value") else x.value
-    return x
-
-
-def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
-    """Finds the one `LossScaledState` anywhere in an optimizer state tree.
-
-    Works through `optax.chain`, `optax.MultiSteps`, flax `TrainState.opt_state` and
-    `flax.nnx.Optimizer.opt_state`.
-
-    Raises:
-      ValueError: if there is none, or more than one.
-    """
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
-        if isinstance(x, LossScaledState)
-    ]
-    if not found:
-        raise ValueError(
-            "no mpjax.loss_scaled state found in this optimizer state "
-            f"({type(opt_state).__name__}); build the optimizer with mpjax.loss_scaled(...)"
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"{len(found)} mpjax.loss_scaled states found in this optimizer state; "
-            "pass the sub-state of the one you mean"
-        )
-    return jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
-
-
-def get_loss_scale(opt_state: Any) -> LossScale:
-    """Returns the current `LossScale` held anywhere in `opt_state`."""
-    return find_loss_scaled_state(opt_state).loss_scale
-
-
-def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-    """Multiplies `loss` by the current loss scale of `opt_state`, in float32.
-
-    Example:
-      >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p), opt_state))(params)
-    """
-    return get_loss_scale(opt_state).scale(loss)
-
-
-def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Scalar arrays ready to log: `loss_scale`, `grads_finite`, `skipped_steps`,
-    `consecutive_skips`."""
-    state = find_loss_scaled_state(opt_state)
-    return {
-        "loss_scale": state.loss_scale.loss_scale,
-        "grads_finite": state.grads_finite,
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-    }
