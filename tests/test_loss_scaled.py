@@ -231,11 +231,12 @@ def test_works_nested_in_chain():
     )
 
 
-def test_multisteps_outside_accumulates_then_checks_once():
+@pytest.mark.parametrize("wrap", ["object", "transformation"])
+def test_multisteps_inside_drops_bad_micro_batch_and_recovers(wrap):
     params = {"w": jnp.asarray([1.0, -1.0], jnp.bfloat16)}
-    tx = optax.MultiSteps(loss_scaled(optax.sgd(0.5), StaticLossScale(8.0)), every_k_schedule=2)
+    ms = optax.MultiSteps(optax.sgd(0.5), every_k_schedule=2)
+    tx = loss_scaled(ms if wrap == "object" else ms.gradient_transformation(), StaticLossScale(8.0))
     state = tx.init(params)
-    assert float(mpjax.get_loss_scale(state).loss_scale) == 8.0
     g = {"w": jnp.asarray([8.0, 16.0], jnp.bfloat16)}  # scaled grads of [1, 2]
     u1, state = tx.update(g, state, params)
     assert not np.any(np.asarray(u1["w"], np.float32))
@@ -243,11 +244,15 @@ def test_multisteps_outside_accumulates_then_checks_once():
     u2, state = tx.update(g, state, params)
     params = optax.apply_updates(params, u2)
     np.testing.assert_allclose(np.asarray(params["w"], np.float32), [0.5, -2.0])
-    # an inf in one micro-batch skips the whole accumulated step
+    # an overflowing micro-batch is dropped before accumulation, and training goes on
     bad = {"w": jnp.asarray([jnp.inf, 16.0], jnp.bfloat16)}
     u3, state = tx.update(bad, state, params)
-    u4, state = tx.update(g, state, params)
-    chex.assert_trees_all_equal(optax.apply_updates(params, u4), params)
+    chex.assert_trees_all_equal(optax.apply_updates(params, u3), params)
+    assert int(mpjax.scaling_metrics(state)["skipped_steps"]) == 1
+    for _ in range(4):  # two more full windows of good micro-batches
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+    np.testing.assert_allclose(np.asarray(params["w"], np.float32), [-0.5, -4.0])
     assert int(mpjax.scaling_metrics(state)["skipped_steps"]) == 1
 
 
@@ -493,3 +498,46 @@ def test_finite_step_that_overflows_a_float16_param_is_skipped():
 def test_bad_options_named(kwarg):
     with pytest.raises(ValueError, match=next(iter(kwarg))):
         loss_scaled(optax.sgd(1.0), **kwarg)
+
+
+def test_float32_params_with_forced_master_land_exactly():
+    rng = np.random.default_rng(10)
+    params = {"w": jnp.asarray(rng.normal(size=(7,)), jnp.float32)}
+    tx = loss_scaled(optax.adam(0.1), StaticLossScale(1.0), master_weights=True)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(25):
+        g = {"w": jnp.asarray(rng.normal(size=(7,)), jnp.float32)}
+        params, state = step(params, state, g)
+        np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(state.master["w"]))
+
+
+def test_vmapped_ensemble_with_max_consecutive_skips():
+    """Under vmap lax.cond runs both branches: finite steps must not raise."""
+    n = 4
+    params = {"w": jnp.ones((n, 3), jnp.float16)}
+    tx = loss_scaled(optax.sgd(1e-3), max_consecutive_skips=2)
+    state = jax.vmap(tx.init)(params)
+    update = jax.jit(jax.vmap(tx.update))
+    good = {"w": jnp.ones((n, 3), jnp.float16)}
+    for _ in range(3):
+        _, state = update(good, state, params)
+        jax.block_until_ready(state)
+    assert not np.any(np.asarray(state.skipped_steps))
+    bad = {"w": good["w"].at[1, 0].set(jnp.inf)}
+    _, state = update(bad, state, params)
+    with pytest.raises(RuntimeError, match="TrainingDivergedError.*2 non-finite steps"):
+        _, state = update(bad, state, params)
+        jax.block_until_ready(state)
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.float8_e4m3fn])
+def test_unsupported_param_dtypes_refused_naming_the_leaf(dtype):
+    params = {"ok": jnp.ones(2), "layer": {"z": jnp.ones(2, dtype)}}
+    with pytest.raises(TypeError, match=r"\['layer'\]\['z'\].*supported"):
+        loss_scaled(optax.sgd(1.0)).init(params)

@@ -10,14 +10,12 @@ from mpjax.scaling.loss_scale import (
     select_tree,
     unscale_tree,
 )
-from mpjax.scaling.loss_scaled import (
-    LossScaledState,
+from mpjax.scaling.loss_scaled import LossScaledState, loss_scaled, xla_unscale_and_check
+from mpjax.scaling.state_helpers import (
     find_loss_scaled_state,
     get_loss_scale,
-    loss_scaled,
     scale_loss,
     scaling_metrics,
-    xla_unscale_and_check,
 )
 
 __all__ = [

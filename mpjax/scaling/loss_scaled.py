@@ -7,11 +7,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from mpjax.scaling.checks import (
+    _check_loss_scale,
+    _check_param_dtypes,
+    _check_same_structure,
+)
 from mpjax.scaling.diagnostics import TrainingDivergedError
 from mpjax.scaling.loss_scale import (
-    DynamicLossScale,
     LossScale,
     _is_floating,
     _wide_dtype,
@@ -19,14 +24,7 @@ from mpjax.scaling.loss_scale import (
     select_tree,
 )
 
-__all__ = [
-    "LossScaledState",
-    "loss_scaled",
-    "find_loss_scaled_state",
-    "scale_loss",
-    "get_loss_scale",
-    "scaling_metrics",
-]
+__all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
 
 _MASKED = optax.MaskedNode
 
@@ -86,52 +84,6 @@ def _view(params: Any, master: Any) -> Any:
     return jax.tree.map(view, params, master)
 
 
-def _path_set(tree: Any) -> set[str]:
-    return {
-        jax.tree_util.keystr(path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
-    }
-
-
-def _check_same_structure(grads: Any, params: Any) -> None:
-    g_struct, p_struct = jax.tree.structure(grads), jax.tree.structure(params)
-    if g_struct == p_struct:
-        pairs = zip(
-            jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params), strict=True
-        )
-        for (path, g), p in pairs:
-            if jnp.shape(g) != jnp.shape(p):
-                raise ValueError(
-                    f"loss_scaled: gradient {jax.tree_util.keystr(path)} has shape "
-                    f"{jnp.shape(g)}, its param has shape {jnp.shape(p)}"
-                )
-        return
-    g_paths, p_paths = _path_set(grads), _path_set(params)
-    only_g = sorted(g_paths - p_paths)[:5]
-    only_p = sorted(p_paths - g_paths)[:5]
-    detail = []
-    if only_g:
-        detail.append(f"in grads only: {only_g}")
-    if only_p:
-        detail.append(f"in params only: {only_p}")
-    if not detail:
-        detail.append(f"grads {g_struct} vs params {p_struct}")
-    raise ValueError(
-        "loss_scaled: the gradient tree does not match the parameter tree; " + "; ".join(detail)
-    )
-
-
-def _check_loss_scale(loss_scale: Any) -> LossScale:
-    if loss_scale is None:
-        return DynamicLossScale()
-    if not isinstance(loss_scale, LossScale):
-        raise TypeError(
-            "loss_scaled: loss_scale must be an mpjax LossScale (NoOpLossScale, "
-            f"StaticLossScale, DynamicLossScale) or None, got {type(loss_scale).__name__}"
-        )
-    return loss_scale
-
-
 def xla_unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
     """Unscales `grads` to float32 and checks them for inf/NaN, with plain XLA ops.
 
@@ -173,9 +125,17 @@ def loss_scaled(
     Non-floating leaves of the params (ints, bools) are not shown to `inner`; their
     updates are zeros of their own dtype, so they pass through untouched.
 
-    With `optax.MultiSteps`, nest it as `optax.MultiSteps(loss_scaled(inner), k)`: the
-    scale then stays fixed within an accumulation window and one check covers the
-    accumulated gradients.
+    `loss_scaled` must be the last transformation of a chain: the master weights follow
+    its own step, so a transformation after it that changes the updates would make the
+    params and master drift apart. Params changed outside the optimizer (clipped,
+    projected, reloaded) need a new `init`: leaves with a master are reset to it.
+
+    For gradient accumulation, put `optax.MultiSteps` inside:
+    `loss_scaled(optax.MultiSteps(inner, k))` (accepted as is). Each micro-batch is then
+    unscaled and checked before it is accumulated, so an overflowing micro-batch is
+    dropped and training goes on. The other nesting, `MultiSteps(loss_scaled(inner), k)`,
+    does not recover: optax resets its accumulator by multiplying with 0, and 0 * NaN
+    stays NaN, so every later window would be skipped.
 
     Args:
       inner: the optax transformation to run on unscaled float32 gradients.
@@ -218,6 +178,8 @@ def loss_scaled(
       >>> updates, state = tx.update(grads, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "loss_scaled: inner must be an optax GradientTransformation, "
@@ -258,6 +220,7 @@ def loss_scaled(
         check = unscale_and_check
 
     def init_fn(params):
+        _check_param_dtypes(params)
         master = jax.tree.map(
             lambda p: _wide(p) if _keeps_master(p, master_weights) else _MASKED(), params
         )
@@ -398,7 +361,7 @@ def loss_scaled(
             loss_scale=state.loss_scale.adjust(grads_finite),
             grads_finite=grads_finite,
             skipped_steps=state.skipped_steps + skipped,
-            consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32),
+            consecutive_skips=consecutive,
         )
         return updates, new_state
 
@@ -407,9 +370,14 @@ def loss_scaled(
 
 def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
     def fail(n, s):
+        # Under vmap, lax.cond becomes a select and this runs on every step: check again.
+        n, s = np.asarray(n), np.asarray(s)
+        if not np.any(n >= limit):
+            return
+        n, s = int(np.max(n)), float(np.min(s))
         raise TrainingDivergedError(
-            f"TrainingDivergedError: mpjax.loss_scaled saw {int(n)} non-finite steps in a row "
-            f"(max_consecutive_skips={limit}; loss scale {float(s):g}). The model produces "
+            f"TrainingDivergedError: mpjax.loss_scaled saw {n} non-finite steps in a row "
+            f"(max_consecutive_skips={limit}; loss scale {s:g}). The model produces "
             "inf/NaN gradients at every scale: check the loss and the inputs, or find the "
             "overflowing layer with mpjax.scaling.nonfinite_report(grads)."
         )
@@ -419,67 +387,3 @@ def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> 
         lambda: jax.debug.callback(fail, consecutive, scale),
         lambda: None,
     )
-
-
-def _unwrap(x: Any) -> Any:
-    """Unwraps flax.nnx Variables (nnx.Optimizer stores opt_state leaves in them)."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return x
-    if isinstance(x, nnx.Variable):
-        return x.get_value() if hasattr(x, "get_value") else x.value
-    return x
-
-
-def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
-    """Finds the one `LossScaledState` anywhere in an optimizer state tree.
-
-    Works through `optax.chain`, `optax.MultiSteps`, flax `TrainState.opt_state` and
-    `flax.nnx.Optimizer.opt_state`.
-
-    Raises:
-      ValueError: if there is none, or more than one.
-    """
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
-        if isinstance(x, LossScaledState)
-    ]
-    if not found:
-        raise ValueError(
-            "no mpjax.loss_scaled state found in this optimizer state "
-            f"({type(opt_state).__name__}); build the optimizer with mpjax.loss_scaled(...)"
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"{len(found)} mpjax.loss_scaled states found in this optimizer state; "
-            "pass the sub-state of the one you mean"
-        )
-    return jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
-
-
-def get_loss_scale(opt_state: Any) -> LossScale:
-    """Returns the current `LossScale` held anywhere in `opt_state`."""
-    return find_loss_scaled_state(opt_state).loss_scale
-
-
-def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-    """Multiplies `loss` by the current loss scale of `opt_state`, in float32.
-
-    Example:
-      >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p), opt_state))(params)
-    """
-    return get_loss_scale(opt_state).scale(loss)
-
-
-def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Scalar arrays ready to log: `loss_scale`, `grads_finite`, `skipped_steps`,
-    `consecutive_skips`."""
-    state = find_loss_scaled_state(opt_state)
-    return {
-        "loss_scale": state.loss_scale.loss_scale,
-        "grads_finite": state.grads_finite,
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-    }

@@ -1,0 +1,448 @@
+"""Trains a small decoder-only transformer on the Python standard library's own sources.
+
+The text is every top-level `.py` file of this interpreter's standard library (found with
+`sysconfig`), concatenated in sorted order: real text, offline, no download. Tokens are
+bytes (vocabulary 256); the metric is validation loss in bits per byte.
+
+The model is a plain float32 Flax module; `apply_precision` rewrites its `apply` with
+`mpjax.autocast` (a jaxpr-level rewrite, like `torch.autocast`). `train_digits.py` shows
+the module-level alternative, `mpjax.apply_policy`.
+
+Run from the repository root:
+
+    python examples/train_char_lm.py                # fp32, bf16, fp16; table + results/char_lm.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import sysconfig
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import mpjax
+from examples.common import (
+    PRECISIONS,
+    RunResult,
+    format_table,
+    loss_scale_for,
+    plot_runs,
+    policy_for,
+    summarise,
+    timed,
+    train_loop,
+)
+
+__all__ = [
+    "CharLMConfig",
+    "CharTransformer",
+    "Corpus",
+    "apply_precision",
+    "load_corpus",
+    "main",
+    "make_train_fns",
+    "run_experiment",
+    "train",
+]
+
+DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16")
+_LN2 = float(np.log(2.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class CharLMConfig:
+    """Hyper-parameters of one character-LM run.
+
+    Attributes:
+      precision: "fp32", "bf16", "fp16" (dynamic loss scaling) or "fp16-noscale".
+      steps: optimiser steps.
+      batch_size: sequences per step.
+      seq_len: tokens per sequence (also the model's maximum length).
+      d_model: width of the residual stream.
+      num_layers: transformer blocks.
+      num_heads: attention heads.
+      learning_rate: peak AdamW learning rate (linear warm-up, cosine decay).
+      weight_decay: AdamW weight decay.
+      eval_windows: validation sequences the metric averages over.
+      initial_scale: initial dynamic loss scale (fp16 only).
+      growth_interval: finite steps between loss-scale doublings (fp16 only).
+    """
+
+    precision: str = "fp16"
+    steps: int = 500
+    batch_size: int = 32
+    seq_len: int = 64
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    learning_rate: float = 1e-2
+    weight_decay: float = 1e-2
+    eval_windows: int = 128
+    initial_scale: float = 2.0**15
+    growth_interval: int = 100
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"CharLMConfig.precision={self.precision!r}; choose from {', '.join(PRECISIONS)}"
+            )
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "eval_windows",
+            "growth_interval",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CharLMConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"CharLMConfig.d_model={self.d_model} is not divisible by "
+                f"num_heads={self.num_heads}"
+            )
+
+
+class Corpus(NamedTuple):
+    """Byte tokens (uint8) of the training and validation text, and the files they came from."""
+
+    train: np.ndarray
+    val: np.ndarray
+    files: tuple[str, ...]
+
+
+def load_corpus(max_bytes: int = 2_000_000, val_fraction: float = 0.1) -> Corpus:
+    """Reads the standard library's top-level `.py` files, sorted, as one byte string.
+
+    Args:
+      max_bytes: keep at most this many bytes (the first ones, in file order).
+      val_fraction: the last fraction of the bytes is the validation text.
+
+    Returns:
+      A `Corpus`.
+
+    Raises:
+      FileNotFoundError: when the interpreter ships no `.py` sources.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise FileNotFoundError(
+            f"no .py files in the standard library directory {root} (sysconfig 'stdlib'); "
+            "this example needs an interpreter that ships its sources"
+        )
+    chunks, total, used = [], 0, []
+    for f in files:
+        data = f.read_bytes()
+        chunks.append(data)
+        used.append(f.name)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    tokens = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    split = int(len(tokens) * (1.0 - val_fraction))
+    return Corpus(tokens[:split].copy(), tokens[split:].copy(), tuple(used))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-LayerNorm block: causal self-attention and a GELU MLP, each with a residual."""
+
+    num_heads: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        d_model = x.shape[-1]
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(self.num_heads)(h, h, mask=mask)
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(d_model)(nn.gelu(nn.Dense(4 * d_model)(h)))
+        return x + h
+
+
+class CharTransformer(nn.Module):
+    """A decoder-only transformer over bytes: embeddings, `num_layers` blocks, LayerNorm, head.
+
+    A plain float32 Flax module: precision is applied from outside (`apply_precision`).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    max_len: int = 64
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        length = tokens.shape[-1]
+        if length > self.max_len:
+            raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+        x = nn.Embed(self.vocab_size, self.d_model)(tokens)
+        x = x + nn.Embed(self.max_len, self.d_model)(jnp.arange(length))
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(self.num_layers):
+            x = DecoderBlock(self.num_heads)(x, mask)
+        return nn.Dense(self.vocab_size)(nn.LayerNorm()(x))
+
+
+def apply_precision(model: nn.Module, policy: mpjax.Policy) -> Callable:
+    """Returns `model.apply` rewritten by `mpjax.autocast` to run under `policy`.
+
+    Params are used in the dtype they are given in (float32 here; their gradients come
+    back in it); matmuls take `policy.compute_dtype` operands and accumulate in float32;
+    LayerNorm statistics, softmax and other reductions run in float32; the logits leave
+    in `policy.output_dtype`. `mpjax.apply_policy(model, policy)` is the module-level
+    alternative (see `train_digits.py`).
+    """
+    return mpjax.autocast(model.apply, policy)
+
+
+class TrainFns(NamedTuple):
+    """Compiled pieces of a run; build once per config and reuse across seeds.
+
+    Attributes:
+      tx: the optimiser.
+      init: `(rng) -> (params, opt_state)`.
+      step: `((params, opt_state), tokens, step) -> (carry, metrics)`.
+      loss: `(params, tokens) -> mean cross-entropy (nats)`, for evaluation.
+    """
+
+    tx: optax.GradientTransformation
+    init: Callable
+    step: Callable
+    loss: Callable
+
+
+def make_train_fns(config: CharLMConfig) -> TrainFns:
+    """Builds the jitted init / train step / eval loss of a character-LM run."""
+    model = CharTransformer(
+        d_model=config.d_model,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        max_len=config.seq_len,
+    )
+    apply = apply_precision(model, policy_for(config.precision))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, max(1, config.steps // 10), config.steps
+    )
+    tx = mpjax.loss_scaled(
+        optax.adamw(schedule, weight_decay=config.weight_decay),
+        loss_scale_for(
+            config.precision,
+            initial_scale=config.initial_scale,
+            growth_interval=config.growth_interval,
+        ),
+    )
+
+    def loss(params, tokens):
+        logits = apply({"params": params}, tokens[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return ce.mean()
+
+    def init(rng):
+        params = model.init(rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+        return params, tx.init(params)
+
+    def step(carry, tokens, step_index):
+        del step_index
+        params, opt_state = carry
+
+        def scaled_loss(p):
+            ce = loss(p, tokens)
+            return mpjax.scale_loss(ce, opt_state), ce
+
+        grads, ce = jax.grad(scaled_loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        m = mpjax.scaling_metrics(opt_state)
+        metrics = {
+            "loss": ce,
+            "loss_scale": m["loss_scale"],
+            "grads_finite": m["grads_finite"],
+            "skipped_steps": m["skipped_steps"],
+        }
+        return (params, opt_state), metrics
+
+    return TrainFns(tx, jax.jit(init), jax.jit(step, donate_argnums=0), jax.jit(loss))
+
+
+def _windows(tokens: np.ndarray, length: int, batch_size: int, seed: int) -> Iterator:
+    """Endless batches of random windows of `length` tokens, as int32."""
+    rng = np.random.default_rng(seed)
+    if len(tokens) < length + 1:
+        raise ValueError(f"text of {len(tokens)} bytes is shorter than a window of {length + 1}")
+    while True:
+        starts = rng.integers(0, len(tokens) - length, size=batch_size)
+        yield np.stack([tokens[s : s + length] for s in starts]).astype(np.int32)
+
+
+def val_bits_per_byte(fns: TrainFns, params: Any, corpus: Corpus, config: CharLMConfig) -> float:
+    """Validation cross-entropy in bits per byte over `eval_windows` evenly spaced windows."""
+    length = config.seq_len + 1
+    starts = np.linspace(0, len(corpus.val) - length, config.eval_windows).astype(int)
+    windows = np.stack([corpus.val[s : s + length] for s in starts]).astype(np.int32)
+    return float(fns.loss(params, windows)) / _LN2
+
+
+def train(
+    config: CharLMConfig,
+    seed: int = 0,
+    *,
+    corpus: Corpus | None = None,
+    fns: TrainFns | None = None,
+    progress: bool = False,
+) -> RunResult:
+    """Trains the character LM once and evaluates it on the validation text.
+
+    Args:
+      config: hyper-parameters, including the precision.
+      seed: seeds the initialisation and the windows drawn.
+      corpus: the text; None loads it with `load_corpus()`.
+      fns: compiled functions from `make_train_fns(config)` to reuse; None builds them.
+      progress: show a tqdm bar.
+
+    Returns:
+      A `RunResult` with validation bits per byte as `metric` (lower is better).
+
+    Example:
+      >>> r = train(CharLMConfig(precision="bf16", steps=10, d_model=32, num_layers=1))
+      >>> r.history["loss"].shape
+      (10,)
+    """
+    corpus = load_corpus() if corpus is None else corpus
+
+    def run():
+        f = make_train_fns(config) if fns is None else fns
+        carry = f.init(jax.random.key(seed))
+        batches = _windows(corpus.train, config.seq_len + 1, config.batch_size, seed)
+        carry, history = train_loop(
+            f.step,
+            carry,
+            batches,
+            config.steps,
+            desc=f"{config.precision} seed {seed}",
+            progress=progress,
+        )
+        return val_bits_per_byte(f, carry[0], corpus, config), history, carry
+
+    (bpb, history, (params, opt_state)), wall = timed(run)
+    return RunResult(config.precision, seed, bpb, history, wall, params, opt_state)
+
+
+def run_experiment(
+    precisions: Sequence[str] = DEFAULT_PRECISIONS,
+    seeds: int = 1,
+    *,
+    png: str | Path | None = "results/char_lm.png",
+    progress: bool = True,
+    max_bytes: int = 2_000_000,
+    **config_kwargs: Any,
+) -> tuple[list[RunResult], str]:
+    """Trains every precision for `seeds` seeds; returns the runs and a Markdown table.
+
+    Args:
+      precisions: precision names.
+      seeds: seeds per precision (0 .. seeds-1).
+      png: where to write the loss / loss-scale plot; None writes none.
+      progress: show a tqdm bar per run.
+      max_bytes: bytes of standard-library source to use.
+      **config_kwargs: `CharLMConfig` fields other than `precision`.
+
+    Returns:
+      `(runs, markdown_table)`.
+    """
+    corpus = load_corpus(max_bytes)
+    results = []
+    for precision in precisions:
+        config = CharLMConfig(precision=precision, **config_kwargs)
+        fns = make_train_fns(config)
+        for seed in range(seeds):
+            results.append(train(config, seed, corpus=corpus, fns=fns, progress=progress))
+    columns, rows = summarise(results, "val bits/byte", "{:.3f}")
+    table = format_table(columns, rows)
+    if png is not None:
+        plot_runs(results, png, "byte-level transformer on the Python stdlib: mixed precision")
+    return results, table
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = CharLMConfig()
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        default=list(DEFAULT_PRECISIONS),
+        choices=list(PRECISIONS),
+        help="precisions to train: fp32; bf16 = params fp32, compute bf16; fp16 = compute "
+        "fp16 with dynamic loss scaling; fp16-noscale = compute fp16, no loss scaling",
+    )
+    p.add_argument("--seeds", type=int, default=1, help="seeds per precision (mean ± std)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per run")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--d-model", type=int, default=d.d_model, help="residual stream width")
+    p.add_argument("--layers", type=int, default=d.num_layers, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=d.num_heads, help="attention heads")
+    p.add_argument("--lr", type=float, default=d.learning_rate, help="peak AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of stdlib source to use")
+    p.add_argument(
+        "--initial-scale", type=float, default=d.initial_scale, help="initial fp16 loss scale"
+    )
+    p.add_argument(
+        "--growth-interval",
+        type=int,
+        default=d.growth_interval,
+        help="finite steps between loss-scale doublings",
+    )
+    p.add_argument("--png", default="results/char_lm.png", help="where to write the plot")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> list[RunResult]:
+    """Command-line entry point: trains, prints the results table, writes the PNG."""
+    args = _parser().parse_args(argv)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
+    results, table = run_experiment(
+        args.precisions,
+        args.seeds,
+        png=args.png,
+        progress=not args.no_progress,
+        max_bytes=args.max_bytes,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        initial_scale=args.initial_scale,
+        growth_interval=args.growth_interval,
+    )
+    print()
+    print(table)
+    print(f"\nwrote {args.png}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
