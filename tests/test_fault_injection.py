@@ -84,6 +84,18 @@ def test_skipped_steps_are_exactly_the_injections(runs):
     )
 
 
+def test_injected_batches_reach_the_loss(runs):
+    """The faulty batches (the exploding one included) make the loss itself non-finite; the
+    gradient fault leaves the loss finite and still skips."""
+    _, faulty = runs
+    loss = faulty.history["loss"]
+    for t in BATCH_FAULTS:
+        assert not np.isfinite(loss[t]), (t, loss[t])
+    assert np.isfinite(loss[GRAD_FAULT_STEP])
+    others = np.setdiff1d(np.arange(CONFIG.steps), INJECTED)
+    assert np.all(np.isfinite(loss[others]))
+
+
 def test_loss_scale_backs_off_at_each_injection_only(runs):
     _, faulty = runs
     scale = faulty.history["loss_scale"]
