@@ -192,6 +192,41 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def time_train_steps(
+    steps: Mapping[str, Callable[[Any, Any], tuple[Any, Any]]],
+    states: dict[str, Any],
+    batch: Any,
+    *,
+    rounds: int,
+    steps_per_round: int,
+    warmup: int = 2,
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Times train steps `(state, batch) -> (state, loss)` with `interleaved_times`.
+
+    Each variant's state is threaded through its own steps; `states` is updated in place,
+    so donated buffers stay valid.
+
+    Returns:
+      `(times, losses)`: per-step seconds per variant, and each variant's last loss.
+    """
+    losses: dict[str, Any] = {}
+
+    def thunk(name):
+        def one_step():
+            states[name], losses[name] = steps[name](states[name], batch)
+            return losses[name]
+
+        return one_step
+
+    times = interleaved_times(
+        {name: thunk(name) for name in steps},
+        rounds=rounds,
+        steps_per_round=steps_per_round,
+        warmup=warmup,
+    )
+    return times, losses
+
+
 def _cell(x: Any) -> str:
     if isinstance(x, float):
         if x != x:

@@ -46,9 +46,9 @@ from benchmarks.common import (  # noqa: E402
     check_result,
     format_text,
     gpu_available,
-    interleaved_times,
     paired_ratio,
     summary,
+    time_train_steps,
 )
 
 REQUIRES_GPU = True
@@ -268,7 +268,7 @@ def run(quick: bool = False, smoke: bool = False) -> dict:
     batch = (images, labels)
 
     variables = init_variables(cfg, key_p, images)
-    steps, states, losses, convs = {}, {}, {}, {}
+    steps, states, convs = {}, {}, {}
     for name, kind in VARIANTS.items():
         init, step = make_variant(cfg, kind)
         state = init(variables)
@@ -276,18 +276,8 @@ def run(quick: bool = False, smoke: bool = False) -> dict:
         convs[name] = conv_dtypes(lowered.as_text())
         steps[name], states[name] = lowered.compile(), state
 
-    def thunk(name):
-        def one_step():
-            states[name], losses[name] = steps[name](states[name], batch)
-            return losses[name]
-
-        return one_step
-
-    times = interleaved_times(
-        {name: thunk(name) for name in steps},
-        rounds=cfg["rounds"],
-        steps_per_round=cfg["steps"],
-        warmup=2,
+    times, losses = time_train_steps(
+        steps, states, batch, rounds=cfg["rounds"], steps_per_round=cfg["steps"]
     )
     limits = ceilings(cfg)
 

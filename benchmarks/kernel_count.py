@@ -32,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import mpjax  # noqa: E402
+from benchmarks.common import format_text  # noqa: E402
 
 TARGET = Path(__file__).resolve().parent / "h100.txtpb"
 KERNEL_KINDS = ("kKernel", "kCustomKernel")
@@ -193,17 +194,7 @@ def run(quick: bool = False) -> dict:
     }
 
 
-def _print(table: dict) -> None:
-    print(table["title"])
-    widths = [
-        max(len(str(c)) for c in col) for col in zip(table["columns"], *table["rows"], strict=True)
-    ]
-    for row in [table["columns"], *table["rows"]]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
-    print(table["notes"])
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 24-leaf model")
-    _print(run(quick=parser.parse_args().quick))
+    print(format_text(run(quick=parser.parse_args().quick)))

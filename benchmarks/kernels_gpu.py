@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import mpjax  # noqa: E402
+from benchmarks.common import format_text  # noqa: E402
 from mpjax.nn import ConvBN  # noqa: E402
 from mpjax.pallas import channel_stats, conv_epilogue, unscale_and_check  # noqa: E402
 
@@ -264,19 +265,9 @@ def _resnet_rows(small: bool, on_gpu: bool, rounds: int, iters: int) -> list:
     return rows
 
 
-def _print(table: dict) -> None:
-    print(table["title"])
-    widths = [
-        max(len(str(c)) for c in col) for col in zip(table["columns"], *table["rows"], strict=True)
-    ]
-    for row in [table["columns"], *table["rows"]]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
-    print(table["notes"])
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     args = parser.parse_args()
-    _print(run(quick=args.quick, smoke=args.smoke))
+    print(format_text(run(quick=args.quick, smoke=args.smoke)))

@@ -46,10 +46,10 @@ from flax.training.dynamic_scale import DynamicScale  # noqa: E402
 import mpjax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     cost_analysis,
-    interleaved_times,
     main,
     paired_ratio,
     summary,
+    time_train_steps,
 )
 
 try:  # optional: the `bench` extra
@@ -226,7 +226,7 @@ def run(quick: bool = False, sizes: dict | None = None) -> dict:
     n_leaves = len(jax.tree.leaves(params))
     n_params = sum(x.size for x in jax.tree.leaves(params))
 
-    steps, states, costs, losses = {}, {}, {}, {}
+    steps, states, costs = {}, {}, {}
     for name, (init, step) in variants().items():
         state = init(jax.tree.map(jnp.copy, params))
         jitted = jax.jit(step, donate_argnums=0)
@@ -234,18 +234,8 @@ def run(quick: bool = False, sizes: dict | None = None) -> dict:
         states[name] = state
         steps[name] = jitted
 
-    def thunk(name):
-        def one_step():
-            states[name], losses[name] = steps[name](states[name], batch)
-            return losses[name]
-
-        return one_step
-
-    times = interleaved_times(
-        {name: thunk(name) for name in steps},
-        rounds=cfg["rounds"],
-        steps_per_round=cfg["steps_per_round"],
-        warmup=2,
+    times, losses = time_train_steps(
+        steps, states, batch, rounds=cfg["rounds"], steps_per_round=cfg["steps_per_round"]
     )
 
     base = next(iter(steps))
