@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import time
@@ -32,6 +33,9 @@ PRECISIONS: dict[str, tuple[str, str]] = {
     "fp16": ("params=float32,compute=float16,output=float32", "dynamic"),
     "fp16-noscale": ("params=float32,compute=float16,output=float32", "none"),
 }
+
+
+DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def _check_precision(name: str) -> None:
@@ -307,3 +311,64 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
+
+
+def run_arg_parser(
+    description: str, config: Any, *, seeds: int, png: str, batch_help: str
+) -> argparse.ArgumentParser:
+    """The command-line flags every example shares; each example adds its model's own.
+
+    Args:
+      description: the parser's description.
+      config: the example's default config (its `steps`, `batch_size`, `learning_rate`,
+        `weight_decay`, `initial_scale` and `growth_interval` give the defaults).
+      seeds: default number of seeds per precision.
+      png: default path of the plot.
+      batch_help: help text of `--batch-size`.
+    """
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        default=list(DEFAULT_PRECISIONS),
+        choices=list(PRECISIONS),
+        help="precisions to train: fp32; bf16 = params fp32, compute bf16; fp16 = compute "
+        "fp16 with dynamic loss scaling; fp16-noscale = compute fp16, no loss scaling",
+    )
+    p.add_argument("--seeds", type=int, default=seeds, help="seeds per precision (mean ± std)")
+    p.add_argument("--steps", type=int, default=config.steps, help="optimiser steps per run")
+    p.add_argument("--batch-size", type=int, default=config.batch_size, help=batch_help)
+    p.add_argument(
+        "--lr", type=float, default=config.learning_rate, help="peak AdamW learning rate"
+    )
+    p.add_argument("--weight-decay", type=float, default=config.weight_decay, help="AdamW decay")
+    p.add_argument(
+        "--initial-scale", type=float, default=config.initial_scale, help="initial fp16 loss scale"
+    )
+    p.add_argument(
+        "--growth-interval",
+        type=int,
+        default=config.growth_interval,
+        help="finite steps between loss-scale doublings",
+    )
+    p.add_argument("--png", default=png, help="where to write the plot")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return p
+
+
+def run_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The shared flags as keyword arguments of an example's `run_experiment`."""
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
+    return dict(
+        png=args.png,
+        progress=not args.no_progress,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        initial_scale=args.initial_scale,
+        growth_interval=args.growth_interval,
+    )

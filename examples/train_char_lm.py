@@ -34,12 +34,15 @@ import optax
 
 import mpjax
 from examples.common import (
+    DEFAULT_PRECISIONS,
     PRECISIONS,
     RunResult,
     format_table,
     loss_scale_for,
     plot_runs,
     policy_for,
+    run_arg_parser,
+    run_kwargs,
     summarise,
     timed,
     train_loop,
@@ -57,7 +60,6 @@ __all__ = [
     "train",
 ]
 
-DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16")
 _LN2 = float(np.log(2.0))
 
 
@@ -380,63 +382,33 @@ def run_experiment(
 
 def _parser() -> argparse.ArgumentParser:
     d = CharLMConfig()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = run_arg_parser(
+        __doc__.split("\n\n")[0],
+        d,
+        seeds=1,
+        png="results/char_lm.png",
+        batch_help="sequences per step",
     )
-    p.add_argument(
-        "--precisions",
-        nargs="+",
-        default=list(DEFAULT_PRECISIONS),
-        choices=list(PRECISIONS),
-        help="precisions to train: fp32; bf16 = params fp32, compute bf16; fp16 = compute "
-        "fp16 with dynamic loss scaling; fp16-noscale = compute fp16, no loss scaling",
-    )
-    p.add_argument("--seeds", type=int, default=1, help="seeds per precision (mean ± std)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per run")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--d-model", type=int, default=d.d_model, help="residual stream width")
     p.add_argument("--layers", type=int, default=d.num_layers, help="transformer blocks")
     p.add_argument("--heads", type=int, default=d.num_heads, help="attention heads")
-    p.add_argument("--lr", type=float, default=d.learning_rate, help="peak AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of stdlib source to use")
-    p.add_argument(
-        "--initial-scale", type=float, default=d.initial_scale, help="initial fp16 loss scale"
-    )
-    p.add_argument(
-        "--growth-interval",
-        type=int,
-        default=d.growth_interval,
-        help="finite steps between loss-scale doublings",
-    )
-    p.add_argument("--png", default="results/char_lm.png", help="where to write the plot")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     """Command-line entry point: trains, prints the results table, writes the PNG."""
     args = _parser().parse_args(argv)
-    if args.seeds < 1:
-        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     results, table = run_experiment(
         args.precisions,
         args.seeds,
-        png=args.png,
-        progress=not args.no_progress,
         max_bytes=args.max_bytes,
-        steps=args.steps,
-        batch_size=args.batch_size,
         seq_len=args.seq_len,
         d_model=args.d_model,
         num_layers=args.layers,
         num_heads=args.heads,
-        learning_rate=args.lr,
-        weight_decay=args.weight_decay,
-        initial_scale=args.initial_scale,
-        growth_interval=args.growth_interval,
+        **run_kwargs(args),
     )
     print()
     print(table)

@@ -31,12 +31,15 @@ import optax
 
 import mpjax
 from examples.common import (
+    DEFAULT_PRECISIONS,
     PRECISIONS,
     RunResult,
     format_table,
     loss_scale_for,
     plot_runs,
     policy_for,
+    run_arg_parser,
+    run_kwargs,
     summarise,
     timed,
     train_loop,
@@ -56,8 +59,6 @@ __all__ = [
     "run_experiment",
     "train",
 ]
-
-DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,23 +402,13 @@ def run_experiment(
 
 def _parser() -> argparse.ArgumentParser:
     d = DigitsConfig()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = run_arg_parser(
+        __doc__.split("\n\n")[0],
+        d,
+        seeds=3,
+        png="results/digits.png",
+        batch_help="examples per step",
     )
-    p.add_argument(
-        "--precisions",
-        nargs="+",
-        default=list(DEFAULT_PRECISIONS),
-        choices=list(PRECISIONS),
-        help="precisions to train: fp32; bf16 = params fp32, compute bf16; fp16 = compute "
-        "fp16 with dynamic loss scaling; fp16-noscale = compute fp16, no loss scaling",
-    )
-    p.add_argument("--seeds", type=int, default=3, help="seeds per precision (mean ± std)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per run")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="examples per step")
-    p.add_argument("--lr", type=float, default=d.learning_rate, help="peak AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
     p.add_argument("--width", type=int, default=d.width, help="convolution channels")
     p.add_argument("--blocks", type=int, default=d.num_blocks, help="residual blocks")
     p.add_argument(
@@ -427,39 +418,19 @@ def _parser() -> argparse.ArgumentParser:
         help="multiply the loss by this before differentiating (e.g. 6.1e-5 = 2^-14 "
         "makes fp16 gradients underflow without loss scaling; see underflow_demo.py)",
     )
-    p.add_argument(
-        "--initial-scale", type=float, default=d.initial_scale, help="initial fp16 loss scale"
-    )
-    p.add_argument(
-        "--growth-interval",
-        type=int,
-        default=d.growth_interval,
-        help="finite steps between loss-scale doublings",
-    )
-    p.add_argument("--png", default="results/digits.png", help="where to write the plot")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     """Command-line entry point: trains, prints the results table, writes the PNG."""
     args = _parser().parse_args(argv)
-    if args.seeds < 1:
-        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     results, table = run_experiment(
         args.precisions,
         args.seeds,
-        png=args.png,
-        progress=not args.no_progress,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        learning_rate=args.lr,
-        weight_decay=args.weight_decay,
         width=args.width,
         num_blocks=args.blocks,
         loss_multiplier=args.loss_multiplier,
-        initial_scale=args.initial_scale,
-        growth_interval=args.growth_interval,
+        **run_kwargs(args),
     )
     print()
     print(table)
