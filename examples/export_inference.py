@@ -27,28 +27,35 @@ from mpjax.export import load_inference, serialize_inference  # noqa: E402
 
 
 class DigitsCNN(nn.Module):
+    """Conv->BN->ReLU stem, a residual block, global average pool, Dense head."""
+
     width: int = 32
+    momentum: float = 0.9
 
     @nn.compact
     def __call__(self, x, train=False):
-        bn = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9)
+        bn = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=self.momentum)
         x = nn.relu(bn()(nn.Conv(self.width, (3, 3), use_bias=False)(x)))
         y = nn.relu(bn()(nn.Conv(self.width, (3, 3), use_bias=False)(x)))
-        y = bn()(nn.Conv(self.width, (3, 3), use_bias=False)(y))
+        y = bn()(nn.Conv(self.width, (3, 3))(y))  # with a bias of its own
         x = nn.relu(x + y)
         return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
-def train(steps: int):
+def train(
+    steps: int, *, width: int = 32, momentum: float = 0.9, lr: float = 3e-3, log: bool = True
+):
+    """Trains a `DigitsCNN` on sklearn's digits (80/20 split); returns the model, its
+    variables and the held-out `(x, y)`."""
     data = load_digits()
     x = (data.images / 16.0).astype(np.float32)[..., None]
     y = data.target.astype(np.int32)
     order = np.random.default_rng(0).permutation(len(x))
     x, y = x[order], y[order]
     n = int(0.8 * len(x))
-    model = DigitsCNN()
+    model = DigitsCNN(width=width, momentum=momentum)
     variables = model.init(jax.random.key(0), x[:2])
-    tx = optax.adam(3e-3)
+    tx = optax.adam(lr)
     opt_state = tx.init(variables["params"])
 
     @jax.jit
@@ -69,7 +76,7 @@ def train(steps: int):
     for i in range(steps):
         idx = rng.integers(0, n, 128)
         params, stats, opt_state, loss = step(params, stats, opt_state, x[idx], y[idx])
-        if (i + 1) % 100 == 0:
+        if log and (i + 1) % 100 == 0:
             print(f"step {i + 1}: loss {float(loss):.4f}")
     return model, {"params": params, "batch_stats": stats}, (x[n:], y[n:])
 

@@ -16,10 +16,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import mpjax
+from examples import export_inference as export_example
 from mpjax import export as mx
 from mpjax.inference import fold_batchnorm_params
 from mpjax.nn import ConvBN
@@ -72,21 +72,6 @@ def randomize_stats(variables, seed):
 
 
 # ------------------------------------------------------------------------------ models
-
-
-class DigitsCNN(nn.Module):
-    """Conv->BN->ReLU stem, a residual block, global average pool, Dense head."""
-
-    width: int = 16
-
-    @nn.compact
-    def __call__(self, x, train=False):
-        bn = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.8)
-        x = nn.relu(bn()(nn.Conv(self.width, (3, 3), use_bias=False)(x)))
-        y = nn.relu(bn()(nn.Conv(self.width, (3, 3), use_bias=False)(x)))
-        y = bn()(nn.Conv(self.width, (3, 3))(y))  # with a bias of its own
-        x = nn.relu(x + y)
-        return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
 class ResNetBlock(nn.Module):
@@ -203,40 +188,12 @@ UNFOLDABLE = {
 
 @pytest.fixture(scope="module")
 def digits():
-    """A DigitsCNN trained briefly on sklearn's digits: non-trivial BatchNorm statistics."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = (data.images / 16.0).astype(np.float32)[..., None]
-    y = data.target.astype(np.int32)
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order]
-    n_train = int(0.8 * len(x))
-    model = DigitsCNN()
-    variables = model.init(jax.random.key(0), x[:2])
-    tx = optax.adam(1e-2)
-    opt_state = tx.init(variables["params"])
-
-    @jax.jit
-    def step(params, stats, opt_state, xb, yb):
-        def loss_fn(p):
-            logits, upd = model.apply(
-                {"params": p, "batch_stats": stats}, xb, train=True, mutable=["batch_stats"]
-            )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-            return loss, upd["batch_stats"]
-
-        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), stats, opt_state
-
-    params, stats = variables["params"], variables["batch_stats"]
-    rng = np.random.default_rng(1)
-    for _ in range(150):
-        idx = rng.integers(0, n_train, 128)
-        params, stats, opt_state = step(params, stats, opt_state, x[idx], y[idx])
-    trained = {"params": params, "batch_stats": stats}
-    return model, trained, x[n_train:], y[n_train:]
+    """The export example's DigitsCNN trained briefly on sklearn's digits: non-trivial
+    BatchNorm statistics."""
+    model, trained, (x_test, y_test) = export_example.train(
+        150, width=16, momentum=0.8, lr=1e-2, log=False
+    )
+    return model, trained, x_test, y_test
 
 
 def convert(model, variables, dtype, x, **kw):
