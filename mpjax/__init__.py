@@ -11,7 +11,10 @@ from mpjax.policy import (
     Policy,
     apply_policy,
     autocast,
+    cast_to_full,
+    cast_to_half,
     get_policy,
+    half_dtype,
 )
 from mpjax.scaling import (
     DynamicLossScale,
@@ -50,6 +53,9 @@ __all__ = [
     "all_finite",
     "apply_policy",
     "autocast",
+    "cast_to_full",
+    "cast_to_half",
+    "half_dtype",
     "convert_for_inference",
     "find_loss_scaled_state",
     "get_loss_scale",

@@ -9,7 +9,11 @@ rules of an `OpLists`:
 * `fp32` ops (exp, log, rsqrt, reductions, ...) run in float32;
 * every other op runs in the widest dtype of its floating inputs; scalar literals and values
   computed from literals alone adapt to their partner (like JAX's weak types);
-* integer and boolean values are never cast.
+* integer and boolean values are never cast;
+* constants (literals, captured arrays and values computed from them alone) saturate when
+  cast to a narrower dtype: `jnp.finfo(jnp.float32).min` becomes the most negative finite
+  bfloat16/float16, not -inf. Values computed from the inputs overflow to inf as IEEE casts
+  do (torch.autocast does the same), so an fp16 overflow stays visible to loss scaling.
 
 Higher-order primitives are rewritten recursively (see `_rules`). The function's floating
 outputs leave in the policy's `output_dtype`; its inputs are not cast (parameters stay in the
@@ -77,6 +81,7 @@ def _eval_jaxpr(
     """
     env: dict[Any, tuple[Any, int]] = {}
     casts: dict[tuple[Any, np.dtype], Any] = {}  # a variable is cast to a dtype once
+    constant = set(jaxpr.constvars)  # variables computed from constants alone
 
     def read(atom):
         if isinstance(atom, Literal):
@@ -94,12 +99,14 @@ def _eval_jaxpr(
     for eqn in jaxpr.eqns:
         vals, flags = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
 
-        def cast_in(i, dtype, eqn=eqn, vals=vals):
+        def cast_in(i, dtype, eqn=eqn, vals=vals, flags=flags):
             atom, val = eqn.invars[i], vals[i]
+            # A constant saturates: it must not change value by more than rounding.
+            fixed = flags[i] == FLEX or isinstance(atom, Literal) or atom in constant
             if isinstance(atom, Literal) or dtype_of(val) == dtype:
-                return cast(val, dtype)
+                return cast(val, dtype, saturate=fixed)
             if (atom, dtype) not in casts:
-                casts[atom, dtype] = cast(val, dtype)
+                casts[atom, dtype] = cast(val, dtype, saturate=fixed)
             return casts[atom, dtype]
 
         with eqn.ctx.manager:
@@ -110,6 +117,8 @@ def _eval_jaxpr(
                 outs, out_origins = _first_order(ctx, eqn, list(vals), list(flags), cast_in)
         for var, val, origin in zip(eqn.outvars, outs, out_origins, strict=True):
             write(var, val, origin)
+        if all(isinstance(a, Literal) or a in constant for a in eqn.invars):
+            constant.update(eqn.outvars)
     results = [read(v) for v in jaxpr.outvars]
     return [r[0] for r in results], [r[1] for r in results]
 
@@ -237,7 +246,9 @@ def autocast(
     traced to a jaxpr at each call and re-evaluated with casts: ops in
     `op_lists.lower_precision` take `policy.compute_dtype` operands and accumulate in
     `accumulation_dtype`; ops in `op_lists.fp32` run in float32; other ops run in the widest
-    dtype of their floating inputs; integers and booleans are never cast. It recurses into
+    dtype of their floating inputs; integers and booleans are never cast. A constant cast
+    to a narrower dtype saturates to its finite range (a `finfo(float32).min` mask stays
+    finite); a value computed from the arguments overflows to inf. It recurses into
     `jit`, `custom_jvp`, `scan`, `while`, `cond` and `checkpoint`; `custom_vjp` functions keep
     their own rules and traced dtypes. Array arguments (and their gradients) keep their dtype;
     other arguments (Python scalars, strings, flags) are static. Floating outputs are cast to
