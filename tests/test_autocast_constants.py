@@ -176,46 +176,47 @@ def padded_batch(seed, batch=8):
 
 
 def make_loss(forward):
+    """Padding-weighted next-token cross entropy; returns `(loss, logits)`."""
+
     def loss_fn(params, tokens, targets):
         logits = forward({"params": params}, tokens)
         weights = (targets > 0).astype(jnp.float32)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-        return (nll * weights).sum() / weights.sum()
+        return (nll * weights).sum() / weights.sum(), logits
 
     return loss_fn
 
 
 @pytest.fixture(scope="module")
 def encoder():
+    """The model, its params, a padded batch and the float64 logits and gradients (once)."""
     model = PaddedEncoder()
-    tokens, _ = padded_batch(0)
+    tokens, targets = padded_batch(1)
     params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
-    return model, params
+    grad_fn = jax.grad(make_loss(model.apply), has_aux=True)
+    ref_grads, ref_logits = f64_reference(grad_fn, params, tokens, targets)
+    return model, params, (tokens, targets), ref_logits, ref_grads
 
 
 @pytest.mark.parametrize("compute", LOW)
-def test_padded_attention_forward_matches_float64(encoder, compute):
-    model, params = encoder
-    tokens, targets = padded_batch(1)
-    fn = jax.jit(mpjax.autocast(model.apply, policy_for(compute)))
-    logits = np.asarray(fn({"params": params}, tokens))
-    assert np.isfinite(logits).all()  # padding rows too (old code: NaN)
-    ref = f64_reference(lambda p, t: model.apply({"params": p}, t), params, tokens)
-    assert rel_error(logits, ref) < TOL[compute]
-    grads = jax.jit(jax.grad(make_loss(mpjax.autocast(model.apply, policy_for(compute)))))(
-        params, tokens, targets
-    )
-    ref_grads = f64_reference(jax.grad(make_loss(model.apply)), params, tokens, targets)
+def test_padded_attention_matches_float64(encoder, compute):
+    """Logits (padding rows included) and float32 gradients of the padded model vs float64."""
+    model, params, (tokens, targets), ref_logits, ref_grads = encoder
+    loss_fn = make_loss(mpjax.autocast(model.apply, policy_for(compute)))
+    grads, logits = jax.jit(jax.grad(loss_fn, has_aux=True))(params, tokens, targets)
+    assert np.isfinite(np.asarray(logits)).all()  # padding rows too (old code: NaN)
+    assert rel_error(logits, ref_logits) < TOL[compute]
     for g in jax.tree.leaves(grads):
         assert g.dtype == jnp.float32 and np.isfinite(np.asarray(g)).all()
     assert tree_rel_err(grads, ref_grads) < 3 * TOL[compute]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", LOW)
 def test_padded_transformer_trains_under_autocast(encoder, compute):
     """bf16 with plain adam; fp16 with `loss_scaled` (dynamic scale): every step finite, none
     skipped, and the loss falls."""
-    model, params = encoder
+    model, params, *_ = encoder
     loss_fn = make_loss(mpjax.autocast(model.apply, policy_for(compute)))
     if compute == "float16":
         tx = mpjax.loss_scaled(optax.adam(3e-3))
@@ -226,7 +227,7 @@ def test_padded_transformer_trains_under_autocast(encoder, compute):
     @jax.jit
     def step(params, opt_state, tokens, targets):
         def scaled(p):
-            loss = loss_fn(p, tokens, targets)
+            loss, _ = loss_fn(p, tokens, targets)
             return (mpjax.scale_loss(loss, opt_state) if compute == "float16" else loss), loss
 
         grads, loss = jax.grad(scaled, has_aux=True)(params)

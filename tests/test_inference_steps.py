@@ -20,7 +20,7 @@ EVAL = {"train": False}
 def dense_setup(seed=0):
     model = DenseBN()
     x = jax.random.normal(jax.random.key(seed), (16, 12)) * 2.0
-    variables = randomize_stats(model.init(jax.random.key(seed + 1), x), seed=seed + 2)
+    variables = randomize_stats(jax.jit(model.init)(jax.random.key(seed + 1), x), seed=seed + 2)
     return model, variables, x
 
 
@@ -105,7 +105,10 @@ def test_fold_variables_folds_from_the_float32_originals():
 def test_fold_variables_keeps_the_convbn_shift_in_float32():
     model = ConvBNNet(impl="xla")
     x = np.asarray(jax.random.normal(jax.random.key(3), (2, 3, 6, 6)))
-    variables = randomize_stats(model.init(jax.random.key(0), x), seed=5)
+    rng = np.random.default_rng(4)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x)  # no compile of the init
+    variables = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), s.dtype), shapes)
+    variables = randomize_stats(variables, seed=5)
     plan = trace_conversion(model, variables, "compute=bfloat16", x[:1], apply_kwargs=EVAL)
     params, stats = fold_variables(plan, *cast_variables(plan))
     for name in ("ConvBN_0", "ConvBN_1", "ConvBN_2", "ConvBN_3"):
