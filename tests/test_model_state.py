@@ -278,3 +278,31 @@ def test_restore_if_skipped_rejects_live_nnx_state():
     model, optimizer, _ = _nnx_setup(True)
     with pytest.raises(ValueError, match="snapshot_state"):
         mpjax.restore_if_skipped(model, nnx.state(model, nnx.BatchStat), optimizer.opt_state)
+
+
+def test_keep_if_skipped_under_shard_map_keeps_every_device():
+    """One device's overflow skips the step on all (axis_name); each keeps its own statistics."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    n = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    tx = mpjax.loss_scaled(optax.sgd(1e-2), mpjax.DynamicLossScale(2.0**4), axis_name="data")
+    params = {"w": jnp.asarray(np.random.default_rng(7).standard_normal(3), jnp.float16)}
+    stats = jnp.asarray(np.random.default_rng(8).standard_normal((n, 3)), jnp.float32)
+
+    def per_device(stats, x):
+        opt_state = tx.init(params)
+        grads = jax.grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) * x[0]))(params)
+        _, opt_state = tx.update(grads, opt_state, params)
+        new_stats = stats * 0.9 + x * 0.1
+        return mpjax.keep_if_skipped(new_stats, stats, opt_state)
+
+    step = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
+    )
+    x = np.ones((n, 3), np.float32)
+    good = np.asarray(step(stats, x))
+    np.testing.assert_allclose(good, np.asarray(stats) * 0.9 + 0.1, rtol=1e-6)
+    x[n // 2, 0] = np.inf  # a middle device overflows
+    _assert_bit_identical(step(stats, x), stats)
