@@ -264,10 +264,10 @@ def make_train_fns(
             grads = grad_fault(step_index, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        m = mpjax.scaling_metrics(opt_state)
         # A skipped step leaves the BatchNorm statistics alone too (a NaN batch would
         # otherwise poison them for good).
-        batch_stats = mpjax.select_tree(m["grads_finite"], new_stats, batch_stats)
+        batch_stats = mpjax.keep_if_skipped(new_stats, batch_stats, opt_state)
+        m = mpjax.scaling_metrics(opt_state)
         metrics = {
             "loss": ce,
             "loss_scale": m["loss_scale"],

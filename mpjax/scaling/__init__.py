@@ -11,6 +11,12 @@ from mpjax.scaling.loss_scale import (
     unscale_tree,
 )
 from mpjax.scaling.loss_scaled import LossScaledState, loss_scaled, xla_unscale_and_check
+from mpjax.scaling.model_state import (
+    StateSnapshot,
+    keep_if_skipped,
+    restore_if_skipped,
+    snapshot_state,
+)
 from mpjax.scaling.state_helpers import (
     find_loss_scaled_state,
     get_loss_scale,
@@ -29,8 +35,12 @@ __all__ = [
     "all_finite",
     "find_loss_scaled_state",
     "get_loss_scale",
+    "keep_if_skipped",
     "loss_scaled",
     "nonfinite_report",
+    "restore_if_skipped",
+    "snapshot_state",
+    "StateSnapshot",
     "scale_loss",
     "scaling_metrics",
     "select_tree",
