@@ -13,7 +13,7 @@ from mpjax.policy import (
     autocast,
     get_policy,
 )
-from mpjax.scaling import (
+from mpjax.scaling import (  # config-driven precision, Flax DynamicScale migration
     DynamicLossScale,
     LossScale,
     LossScaledState,
@@ -21,13 +21,17 @@ from mpjax.scaling import (
     StaticLossScale,
     TrainingDivergedError,
     all_finite,
+    default_max_consecutive_skips,
     find_loss_scaled_state,
     get_loss_scale,
+    loss_scale_for,
+    loss_scale_from_flax,
     loss_scaled,
     nonfinite_report,
     scale_loss,
     scaling_metrics,
     select_tree,
+    with_loss_scale,
 )
 
 __version__ = "0.1.0"
@@ -64,4 +68,9 @@ __all__ = [
     "scaling",
     "scaling_metrics",
     "select_tree",
+    # config-driven precision, Flax DynamicScale migration
+    "default_max_consecutive_skips",
+    "loss_scale_for",
+    "loss_scale_from_flax",
+    "with_loss_scale",
 ]

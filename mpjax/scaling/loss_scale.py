@@ -97,27 +97,73 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(select, on_true, on_false)
 
 
+def _map_floating(fn: Any, tree: Any, what: str) -> Any:
+    """Applies `fn` to the floating leaves of `tree`; Python numbers become float32 arrays.
+
+    Int, bool and float0 arrays pass through (int params, counters); Python bools too.
+    Complex leaves and leaves that are neither arrays nor numbers (strings, objects) raise
+    a TypeError naming the leaf's path.
+    """
+
+    def one(path, x):
+        if isinstance(x, (bool, np.bool_)):
+            return x
+        if isinstance(x, (int, float)):
+            x = jnp.asarray(x, jnp.float32)
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or (
+            not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+            and jnp.issubdtype(dtype, jnp.complexfloating)
+        ):
+            kind = type(x).__name__ if dtype is None else f"a {jnp.dtype(dtype)} array"
+            raise TypeError(
+                f"{what}: leaf {jax.tree_util.keystr(path) or '<root>'} is {kind}; only "
+                "real floating arrays and Python numbers are scaled (int and bool leaves "
+                "pass through)"
+            )
+        return fn(x) if _is_floating(x) else x
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def unscale_tree(tree: Any, loss_scale: jax.Array) -> Any:
-    """Divides every floating leaf by `loss_scale`, in at least float32; others pass through."""
+    """Divides every floating leaf (and Python number) by `loss_scale`, in at least float32.
+
+    Int and bool leaves pass through; complex and non-numeric leaves raise a TypeError
+    naming the leaf.
+    """
     loss_scale = jnp.asarray(loss_scale, jnp.float32)
 
     def unscale(g):
-        if not _is_floating(g):
-            return g
         wide = _wide_dtype(g.dtype)
         return g.astype(wide) / loss_scale.astype(wide)
 
-    return jax.tree.map(unscale, tree)
+    return _map_floating(unscale, tree, "unscale")
 
 
 def _scale_tree(tree: Any, loss_scale: jax.Array) -> Any:
     def scale(x):
-        if not _is_floating(x):
-            return x
         wide = _wide_dtype(x.dtype)
         return x.astype(wide) * loss_scale.astype(wide)
 
-    return jax.tree.map(scale, tree)
+    return _map_floating(scale, tree, "scale")
+
+
+def _widen_tree(tree: Any, what: str) -> Any:
+    return _map_floating(lambda x: x.astype(_wide_dtype(x.dtype)), tree, what)
+
+
+def _check_flag(grads_finite: Any) -> jax.Array:
+    """The scalar bool of `adjust`; a vector or a float flag raises, naming it."""
+    flag = jnp.asarray(grads_finite)
+    if flag.shape != ():
+        raise ValueError(
+            f"adjust: grads_finite must be a scalar bool, got shape {flag.shape} "
+            "(reduce per-leaf flags first, e.g. with mpjax.all_finite(grads))"
+        )
+    if not (flag.dtype == jnp.bool_ or jnp.issubdtype(flag.dtype, jnp.integer)):
+        raise TypeError(f"adjust: grads_finite must be a scalar bool, got dtype {flag.dtype}")
+    return flag.astype(jnp.bool_)
 
 
 class LossScale:
@@ -126,7 +172,11 @@ class LossScale:
     loss_scale: jax.Array
 
     def scale(self, tree: Any) -> Any:
-        """Multiplies the floating leaves of `tree` by the scale, in (at least) float32."""
+        """Multiplies the floating leaves of `tree` by the scale, in (at least) float32.
+
+        Python numbers (and numbers in lists, tuples, dicts) are scaled too, as float32
+        arrays; int and bool arrays pass through; complex or non-numeric leaves raise.
+        """
         return _scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: Any) -> Any:
@@ -134,8 +184,8 @@ class LossScale:
         return unscale_tree(tree, self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> LossScale:
-        """Returns the loss scale for the next step."""
-        del grads_finite
+        """Returns the loss scale for the next step (`grads_finite`: a scalar bool)."""
+        _check_flag(grads_finite)
         return self
 
 
@@ -146,6 +196,10 @@ def _scalar(value: Any, dtype) -> jax.Array:
 @jax.tree_util.register_pytree_with_keys_class
 class NoOpLossScale(LossScale):
     """A loss scale that does not scale: `scale`/`unscale` only widen to float32.
+
+    In `loss_scaled` it also turns the finite check off: the step is the inner step
+    (for fp32 and bf16 training, whose range is float32's). `StaticLossScale(1.0)`
+    scales by nothing and still skips non-finite steps.
 
     Example:
       >>> NoOpLossScale().scale(jnp.float16(3.0)).dtype
@@ -162,6 +216,14 @@ class NoOpLossScale(LossScale):
     def tree_unflatten(cls, aux, children):
         del aux, children
         return cls()
+
+    def scale(self, tree: Any) -> Any:
+        """Widens the floating leaves of `tree` to (at least) float32; scales by nothing."""
+        return _widen_tree(tree, "scale")
+
+    def unscale(self, tree: Any) -> Any:
+        """Widens the floating leaves of `tree` to (at least) float32; divides by nothing."""
+        return _widen_tree(tree, "unscale")
 
     def __repr__(self):
         return "NoOpLossScale()"
@@ -327,7 +389,7 @@ class DynamicLossScale(LossScale):
         Returns:
           A new `DynamicLossScale` with the same configuration.
         """
-        grads_finite = jnp.asarray(grads_finite)
+        grads_finite = _check_flag(grads_finite)
         scale = self.loss_scale.astype(jnp.float32)
         counter = self.counter.astype(jnp.int32)
         min_scale = jnp.float32(self.min_scale)
