@@ -115,7 +115,7 @@ def _map_floating(fn: Any, tree: Any, what: str) -> Any:
             not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
             and jnp.issubdtype(dtype, jnp.complexfloating)
         ):
-            kind = type(x).__name__ if dtype is None else f"a {jnp.dtype(dtype)} array"
+            kind = f"a {type(x).__name__}" if dtype is None else f"a {jnp.dtype(dtype)} array"
             raise TypeError(
                 f"{what}: leaf {jax.tree_util.keystr(path) or '<root>'} is {kind}; only "
                 "real floating arrays and Python numbers are scaled (int and bool leaves "
