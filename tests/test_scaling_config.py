@@ -13,7 +13,7 @@ from flax.training.dynamic_scale import DynamicScale
 import mpjax
 from mpjax import DynamicLossScale, NoOpLossScale, StaticLossScale
 
-# --- Python numbers are scaled (jmp and torch GradScaler scale them too) ------------------------
+# --- Python numbers are scaled (jmp and torch GradScaler scale them too) ---
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_adjust_under_jit_keeps_scalar_state():
     assert new.loss_scale.shape == () and float(new.loss_scale) == 8.0
 
 
-# --- get_loss_scale is loggable --------------------------------------------------------------------
+# --- get_loss_scale is loggable ---
 
 
 def test_get_loss_scale_is_a_float32_scalar_inside_and_outside_jit():
@@ -91,7 +91,7 @@ def test_get_loss_scale_is_a_float32_scalar_inside_and_outside_jit():
     assert logged.shape == () and logged.dtype == jnp.float32 and float(logged) == 128.0
 
 
-# --- a dead run stops by default ------------------------------------------------------------------
+# --- a dead run stops by default ---
 
 
 def test_default_threshold_covers_the_backoff_to_min_scale():
@@ -130,7 +130,7 @@ def test_threshold_off_with_none():
     assert int(state.consecutive_skips) == 30
 
 
-# --- one train step for fp32, bf16 and fp16 --------------------------------------------------------
+# --- one train step for fp32, bf16 and fp16 ---
 
 
 def test_loss_scale_for_names_and_policies():
@@ -230,7 +230,7 @@ def test_noop_does_not_check_and_static_one_skips():
     assert not np.any(np.asarray(updates["w"])) and int(state.skipped_steps) == 1
 
 
-# --- from Flax DynamicScale ------------------------------------------------------------------------
+# --- from Flax DynamicScale ---
 
 
 def _flax_step(ds, finite):
