@@ -279,3 +279,33 @@ def test_migration_helpers_reject_wrong_input():
     state = mpjax.loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})
     with pytest.raises(TypeError, match="got DynamicScale"):
         mpjax.with_loss_scale(state, DynamicScale())
+
+
+def test_migrated_state_survives_a_checkpoint_round_trip():
+    import flax.serialization
+
+    ds = _flax_step(_flax_step(DynamicScale(growth_interval=3, scale=2.0**9), True), True)
+    tx = mpjax.loss_scaled(optax.adam(1e-3), mpjax.loss_scale_from_flax(ds))
+    state = tx.init({"w": jnp.ones(2, jnp.bfloat16)})
+    restored = flax.serialization.from_bytes(
+        tx.init({"w": jnp.zeros(2, jnp.bfloat16)}), flax.serialization.to_bytes(state)
+    )
+    ls = mpjax.find_loss_scaled_state(restored).loss_scale
+    assert float(ls.loss_scale) == 512.0 and int(ls.counter) == 2
+    assert ls.config == (4, 2.0, 0.5, float(np.finfo(np.float32).tiny), None)
+
+
+def test_replaced_scale_decides_the_check():
+    """The state's scale, not the one given to loss_scaled, decides whether steps are checked."""
+    params = {"w": jnp.ones(2, jnp.float16)}
+    nan = {"w": jnp.array([jnp.nan, 1.0], jnp.float16)}
+    noop_tx = mpjax.loss_scaled(optax.sgd(0.1), NoOpLossScale())
+    state = mpjax.with_loss_scale(noop_tx.init(params), DynamicLossScale(initial_scale=8.0))
+    updates, state = jax.jit(noop_tx.update)(nan, state, params)
+    assert int(state.skipped_steps) == 1 and float(mpjax.get_loss_scale(state)) == 4.0
+    assert not np.any(np.asarray(updates["w"], np.float32))
+    dyn_tx = mpjax.loss_scaled(optax.sgd(0.1))
+    params32, nan32 = {"w": jnp.ones(2)}, {"w": jnp.array([jnp.nan, 1.0])}
+    state = mpjax.with_loss_scale(dyn_tx.init(params32), NoOpLossScale())
+    updates, state = jax.jit(dyn_tx.update)(nan32, state, params32)
+    assert int(state.skipped_steps) == 0 and np.isnan(np.asarray(updates["w"], np.float32)).any()

@@ -226,11 +226,7 @@ def loss_scaled(
             f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
         )
     loss_scale = _check_loss_scale(loss_scale)
-    # NoOpLossScale neither scales nor checks: the step is the inner step (no extra bytes).
-    checks = not isinstance(loss_scale, NoOpLossScale)
-    if max_consecutive_skips == "auto":
-        max_consecutive_skips = default_max_consecutive_skips(loss_scale) if checks else None
-    if max_consecutive_skips is not None and (
+    if max_consecutive_skips not in ("auto", None) and (
         isinstance(max_consecutive_skips, bool)
         or not isinstance(max_consecutive_skips, int)
         or max_consecutive_skips < 1
@@ -279,6 +275,12 @@ def loss_scaled(
             )
         _check_same_structure(grads, params)
 
+        # NoOpLossScale neither scales nor checks: the step is the inner step (no extra
+        # bytes). Decided by the state's scale, which `with_loss_scale` may have replaced.
+        checks = not isinstance(state.loss_scale, NoOpLossScale)
+        limit = max_consecutive_skips
+        if limit == "auto":
+            limit = default_max_consecutive_skips(state.loss_scale) if checks else None
         if not checks:
             unscaled, grads_finite = state.loss_scale.unscale(grads), jnp.array(True)
         else:
@@ -390,8 +392,8 @@ def loss_scaled(
         finite = jnp.logical_and(grads_finite, ok)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
-        if max_consecutive_skips is not None:
-            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, max_consecutive_skips)
+        if limit is not None:
+            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
         new_state = LossScaledState(
             inner_state=new_inner,
             master=new_master,
