@@ -39,6 +39,7 @@ from examples.common import (
     RunResult,
     format_table,
     loss_scale_for,
+    max_consecutive_skips_for,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -247,6 +248,7 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
             initial_scale=config.initial_scale,
             growth_interval=config.growth_interval,
         ),
+        max_consecutive_skips=max_consecutive_skips_for(config.precision),
     )
 
     def loss(params, tokens):

@@ -36,6 +36,7 @@ from examples.common import (
     RunResult,
     format_table,
     loss_scale_for,
+    max_consecutive_skips_for,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -203,7 +204,9 @@ def build_optimizer(config: DigitsConfig) -> optax.GradientTransformation:
         initial_scale=config.initial_scale,
         growth_interval=config.growth_interval,
     )
-    return mpjax.loss_scaled(inner, loss_scale)
+    return mpjax.loss_scaled(
+        inner, loss_scale, max_consecutive_skips=max_consecutive_skips_for(config.precision)
+    )
 
 
 class TrainFns(NamedTuple):

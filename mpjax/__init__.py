@@ -24,9 +24,12 @@ from mpjax.scaling import (
     StaticLossScale,
     TrainingDivergedError,
     all_finite,
+    default_max_consecutive_skips,
     find_loss_scaled_state,
     get_loss_scale,
     keep_if_skipped,
+    loss_scale_for,
+    loss_scale_from_flax,
     loss_scaled,
     nonfinite_report,
     restore_if_skipped,
@@ -34,6 +37,7 @@ from mpjax.scaling import (
     scaling_metrics,
     select_tree,
     snapshot_state,
+    with_loss_scale,
 )
 
 __version__ = "0.1.0"
@@ -76,4 +80,9 @@ __all__ = [
     "scaling",
     "scaling_metrics",
     "select_tree",
+    # config-driven precision, Flax DynamicScale migration
+    "default_max_consecutive_skips",
+    "loss_scale_for",
+    "loss_scale_from_flax",
+    "with_loss_scale",
 ]

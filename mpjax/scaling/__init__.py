@@ -1,5 +1,7 @@
 """Loss scales and the `loss_scaled` optax wrapper."""
 
+# config-driven precision, dead-run threshold, Flax DynamicScale migration
+from mpjax.scaling.config import default_max_consecutive_skips, loss_scale_for
 from mpjax.scaling.diagnostics import NonfiniteReport, TrainingDivergedError, nonfinite_report
 from mpjax.scaling.loss_scale import (
     DynamicLossScale,
@@ -11,6 +13,7 @@ from mpjax.scaling.loss_scale import (
     unscale_tree,
 )
 from mpjax.scaling.loss_scaled import LossScaledState, loss_scaled, xla_unscale_and_check
+from mpjax.scaling.migrate import loss_scale_from_flax, with_loss_scale
 from mpjax.scaling.model_state import (
     StateSnapshot,
     keep_if_skipped,
@@ -46,4 +49,9 @@ __all__ = [
     "select_tree",
     "unscale_tree",
     "xla_unscale_and_check",
+    # config-driven precision, dead-run threshold, Flax DynamicScale migration
+    "default_max_consecutive_skips",
+    "loss_scale_for",
+    "loss_scale_from_flax",
+    "with_loss_scale",
 ]
