@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from mpjax.fp8.dot import fp8_dot_general, fp8_eligible
@@ -34,7 +35,7 @@ def fp8_lower(recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list) -> list | N
     """
     if eqn.primitive.name != "dot_general" or len(vals) != 2:
         return None
-    if not all(np.issubdtype(np.result_type(v), np.floating) for v in vals):
+    if not all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in vals):
         return None
     dims = eqn.params["dimension_numbers"]
     site = Fp8Site(str(eqn.source_info.name_stack), np.shape(vals[0]), np.shape(vals[1]), dims)
