@@ -197,8 +197,13 @@ def result_dict(results: list, quick: bool, width: str = "gpt2") -> dict:
     }
 
 
-def _delegate(quick: bool) -> dict:
-    """Runs this script under the gpu-aot python of `$MPJAX_GPU_AOT_PYTHON`."""
+def delegate_to_gpu_aot(script: Path, quick: bool) -> dict:
+    """Runs `script --json` under the gpu-aot python of `$MPJAX_GPU_AOT_PYTHON`; its result.
+
+    Raises:
+      Skip: the variable is unset (the benchmark is then reported as not run).
+      RuntimeError: the script failed (its stderr tail is in the message).
+    """
     python = os.environ.get(ENV_PYTHON)
     if not python:
         raise Skip(
@@ -207,15 +212,14 @@ def _delegate(quick: bool) -> dict:
             "and point the variable at its python"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "cost.json"
-        cmd = [python, str(Path(__file__).resolve()), "--json", str(out)]
+        out = Path(tmp) / "result.json"
+        cmd = [python, str(script), "--json", str(out)] + (["--quick"] if quick else [])
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
-        proc = subprocess.run(
-            cmd + (["--quick"] if quick else []), env=env, capture_output=True, text=True
-        )
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(
-                f"the gpu-aot cost model exited with {proc.returncode}: {proc.stderr[-2000:]}"
+                f"{script.name} under {ENV_PYTHON} exited with {proc.returncode}: "
+                f"{proc.stderr[-2000:]}"
             )
         return json.loads(out.read_text())
 
@@ -232,7 +236,7 @@ def plugin_available() -> bool:
 def run(quick: bool = False) -> dict:
     """Both models, every variant (the `benchmarks/run.py` entry)."""
     if not plugin_available():
-        return _delegate(quick)
+        return delegate_to_gpu_aot(Path(__file__), quick)
     return result_dict(measure_all(("resnet", "lm"), None, quick), quick)
 
 
