@@ -59,6 +59,7 @@ COLUMNS = [
     "conv TFLOP by dtype",
     "f32 GEMMs/convs",
     "converts",
+    "convert kernels",
 ]
 
 
@@ -105,6 +106,7 @@ def measure(compiled) -> dict:
         "gemms_by_dtype": report.gemms_by_dtype,
         "convs_by_dtype": report.convs_by_dtype,
         "converts": report.converts,
+        "convert_kernels": report.convert_kernels,
     }
 
 
@@ -154,6 +156,7 @@ def table_rows(results: list[dict]) -> list[list]:
                 _tflop(r["conv_flops"]),
                 _f32_matmuls(r),
                 r["converts"],
+                r["convert_kernels"],
             ]
         )
     return rows
@@ -191,7 +194,8 @@ def result_dict(results: list, quick: bool, width: str = "gpt2") -> dict:
             "max(tensor FLOPs / peak(dtype) + other FLOPs / 67 TFLOP/s, bytes / 3.35 TB/s), "
             "summed; peaks bf16/fp16 989, fp8 1979, tf32 494 TFLOP/s (H100 SXM dense). Bytes: "
             "operands + result of each kernel. Temp: XLA's buffer assignment. 'f32 GEMMs/convs': "
-            "dots / convolutions with float32 operands. Converts: convert ops in all kernels."
+            "dots / convolutions with float32 operands. Converts: convert ops in all kernels; "
+            "convert kernels: kernels that only convert (materialised casts)."
         ),
         "details": results,
     }

@@ -140,6 +140,7 @@ class Kernel(NamedTuple):
     conv_flops: dict  # operand dtype -> FLOPs of convolutions
     other_flops: int
     time_s: float
+    only_converts: bool  # moves data and converts dtypes, nothing else
 
 
 class HloReport(NamedTuple):
@@ -152,6 +153,7 @@ class HloReport(NamedTuple):
     gemms_by_dtype: dict  # operand dtype -> number of dot instructions
     convs_by_dtype: dict  # operand dtype -> number of convolutions
     converts: int
+    convert_kernels: int  # kernels that only convert (materialised casts)
     bytes: int
     roofline_s: float
 
@@ -373,6 +375,8 @@ def _fused_costs(comps: dict, comp_name: str, acc: dict) -> None:
             acc["other"] += sum(math.prod(_shape_of(comp, o)[1]) for o in instr.operands[:1])
         elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
             acc["other"] += math.prod(instr.shapes[0][1])
+        if instr.opcode not in _DATA_MOVEMENT:
+            acc["compute"] += 1
 
 
 def _new_acc() -> dict:
@@ -383,6 +387,7 @@ def _new_acc() -> dict:
         "nconv": Counter(),
         "other": 0,
         "converts": 0,
+        "compute": 0,
     }
 
 
@@ -426,6 +431,8 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict) -> None:
                 _matmul_flops(comp, instr, acc)
             elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
                 acc["other"] += math.prod(instr.shapes[0][1])
+            if instr.opcode not in _DATA_MOVEMENT:
+                acc["compute"] += 1
         operand_bytes = sum(
             _nbytes(comp[o].shapes) for o in dict.fromkeys(instr.operands) if o in comp
         )
@@ -444,6 +451,7 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict) -> None:
                 dict(acc["conv"]),
                 acc["other"],
                 _kernel_time(acc, nbytes),
+                acc["converts"] > 0 and acc["compute"] == 0,
             )
         )
 
@@ -472,6 +480,7 @@ def analyze(hlo_text: str) -> HloReport:
         gemms_by_dtype=dict(totals["ngemm"]),
         convs_by_dtype=dict(totals["nconv"]),
         converts=totals["converts"],
+        convert_kernels=sum(k.only_converts for k in kernels),
         bytes=sum(k.bytes for k in kernels),
         roofline_s=sum(k.time_s for k in kernels),
     )
