@@ -13,7 +13,7 @@ Reported per variant: roofline and its ratio to bf16, temp memory, the GEMM FLOP
 dtype, and the share of the block GEMMs' FLOPs (QKV, attention output, MLP up/down;
 forward and both backward, counted analytically) that run with fp8 operands.
 
-    JAX_PLATFORMS=cpu <gpu-aot python> benchmarks/fp8_cost.py --width wide
+    JAX_PLATFORMS=cpu <gpu-aot python> benchmarks/fp8_cost.py [--width gpt2|wide|all]
 """
 
 from __future__ import annotations
@@ -105,12 +105,15 @@ def block_gemm_flops(cfg: dict) -> float:
 
 
 def fp8_rows(records: list[dict]) -> list[list]:
-    anchor = next((r for r in records if r["variant"] == "bf16"), None)
+    """Table rows: each record against the bf16 record of its width."""
+    anchors = {r["width"]: r for r in records if r["variant"] == "bf16"}
     rows = []
     for r in records:
         fp8 = sum(v for k, v in r["gemm_flops"].items() if "f8" in k)
+        anchor = anchors.get(r["width"])
         rows.append(
             [
+                r["width"],
                 r["variant"],
                 round(r["roofline_s"] * 1e3, 3),
                 round(r["roofline_s"] / anchor["roofline_s"], 3) if anchor else "-",
@@ -124,23 +127,17 @@ def fp8_rows(records: list[dict]) -> list[list]:
     return rows
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes")
-    parser.add_argument("--width", default="gpt2", choices=("gpt2", "wide"), help="LM size")
-    parser.add_argument("--variants", default="", help="comma-separated variant names")
-    parser.add_argument("--json", default=None, help="write the full figures to this file")
-    args = parser.parse_args(argv)
-    wanted = [v.strip() for v in args.variants.split(",") if v.strip()] or list(FP8_VARIANTS)
-    unknown = sorted(set(wanted) - set(FP8_VARIANTS))
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; known {sorted(FP8_VARIANTS)}")
+def measure(widths, variants, quick: bool) -> dict:
+    """The benchmark result for LM `widths` ("gpt2", "wide") and `variants`."""
     registry = {"lm": FP8_VARIANTS}
-    records = gcm.measure_all(("lm",), wanted, args.quick, args.width, registry)
-    result = {
-        "title": f"fp8 LM train step, H100 compile, default flags ({args.width}"
-        + (", quick sizes)" if args.quick else ")"),
+    records = []
+    for width in ("quick",) if quick else widths:
+        for r in gcm.measure_all(("lm",), variants, quick, width, registry):
+            records.append({**r, "width": width})
+    return {
+        "title": "fp8 LM train step, H100 compile (deviceless), default flags, vs Flax bf16",
         "columns": [
+            "width",
             "variant",
             "roofline ms",
             "vs bf16",
@@ -151,11 +148,34 @@ def main(argv=None) -> dict:
             "kernels",
         ],
         "rows": fp8_rows(records),
-        "notes": f"jax {jax.__version__}; config {json.dumps(records[0]['config'])}; "
-        "roofline and FLOP accounting of benchmarks/gpu_cost_model.py; block GEMM FLOPs "
+        "notes": f"jax {jax.__version__}; configs "
+        + "; ".join(f"{r['width']}: {json.dumps(r['config'])}" for r in records[:: len(variants)])
+        + ". Roofline and FLOP accounting of benchmarks/gpu_cost_model.py; block GEMM FLOPs "
         "counted analytically (3 GEMMs x 2 x tokens x layers x (4 d^2 + 2 d mlp)).",
         "details": records,
     }
+
+
+def run(quick: bool = False) -> dict:
+    """Both LM widths, every fp8 variant (the `benchmarks/run.py` entry)."""
+    if not gcm.plugin_available():
+        return gcm.delegate_to_gpu_aot(Path(__file__), quick)
+    return measure(("gpt2", "wide"), list(FP8_VARIANTS), quick)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--width", default="all", choices=("gpt2", "wide", "all"), help="LM size")
+    parser.add_argument("--variants", default="", help="comma-separated variant names")
+    parser.add_argument("--json", default=None, help="write the full figures to this file")
+    args = parser.parse_args(argv)
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()] or list(FP8_VARIANTS)
+    unknown = sorted(set(wanted) - set(FP8_VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known {sorted(FP8_VARIANTS)}")
+    widths = ("gpt2", "wide") if args.width == "all" else (args.width,)
+    result = measure(widths, wanted, args.quick)
     print(format_text(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
