@@ -1,5 +1,7 @@
 """Tests for fp8 GEMMs: `fp8_dot_general` and `autocast(..., fp8=Fp8Recipe(...))`."""
 
+from collections import Counter
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -97,16 +99,16 @@ def test_high_precision_grad_weight():
         assert (err < TOL_BF16) == hp, (hp, err)
         dtypes = gemm_operand_dtypes(jax.grad(fn, (0, 1)), x, w)
         assert len(dtypes) == 3
-        assert dtypes[-1] == ((np.dtype(jnp.bfloat16),) * 2 if hp else (E5, E4))
+        assert dtypes[-1] == ((np.dtype(jnp.bfloat16),) * 2 if hp else (E4, E5))
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_gemm_forms_are_fp8_forward_and_backward(scaling):
-    """Forward: e4m3 x e4m3; input and weight gradients: e5m2 gradient x e4m3 operand."""
+    """Forward: e4m3 x e4m3; input gradient e5m2 x e4m3; weight gradient e4m3 x e5m2."""
     x, w = jnp.ones((32, 64)), jnp.ones((64, 48))
     rec = Fp8Recipe(scaling=scaling, min_dim=16)
     fn = lambda a, b: jnp.sum(fp8_dot_general(a, b, DENSE, rec, jnp.bfloat16))  # noqa: E731
-    assert gemm_operand_dtypes(jax.grad(fn, (0, 1)), x, w) == [(E4, E4), (E5, E4), (E5, E4)]
+    assert gemm_operand_dtypes(jax.grad(fn, (0, 1)), x, w) == [(E4, E4), (E5, E4), (E4, E5)]
 
 
 def test_batched_and_permuted_dimension_numbers():
@@ -191,7 +193,7 @@ def test_autocast_plain_jnp_under_jit_and_grad():
     dt = gemm_operand_dtypes(
         jax.grad(mpjax.autocast(f, POLICY, fp8=Fp8Recipe(min_dim=32)), (0, 1)), w1, w2, x
     )
-    assert sorted(dt) == sorted([(E4, E4)] * 2 + [(E5, E4)] * 3 + [(E5, E4)])
+    assert Counter(dt) == Counter({(E4, E4): 2, (E5, E4): 2, (E4, E5): 2})
 
 
 def test_autocast_rejects_delayed_and_non_recipe():

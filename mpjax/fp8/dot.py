@@ -78,7 +78,7 @@ def _scaled_gemm(qa, sa, qb, sb, dims, out_dtype):
     return (out.astype(_F32) * (inv_a * inv_b)).astype(out_dtype)
 
 
-def _grad_lhs_layout(dims, x_ndim, y_ndim, swap_ans):
+def _grad_lhs_layout(dims, x_ndim, y_ndim):
     """Dimension numbers of `g . y` giving d/dx of `dot_general(x, y)` and the transpose after.
 
     The transpose rule of `dot_general` (as in JAX): contract the cotangent's y-free axes
@@ -87,11 +87,28 @@ def _grad_lhs_layout(dims, x_ndim, y_ndim, swap_ans):
     (xc, yc), (xb, yb) = dims
     x_kept, y_kept = _free(x_ndim, xc, xb), _free(y_ndim, yc, yb)
     nb = len(xb)
-    start = nb if swap_ans else nb + len(x_kept)
+    start = nb + len(x_kept)
     ans_y = tuple(range(start, start + len(y_kept)))
     gdims = ((ans_y, tuple(y_kept)), (tuple(range(nb)), tuple(yb)))
     x_contract_by_y = [xc[i] for i in np.argsort(yc)]
     out_axes = tuple(int(i) for i in np.argsort(list(xb) + x_kept + x_contract_by_y))
+    return gdims, out_axes
+
+
+def _grad_rhs_layout(dims, x_ndim, y_ndim):
+    """Dimension numbers of `x . g` giving d/dy of `dot_general(x, y)` and the transpose after.
+
+    `x` comes first so that a weight gradient leaves the GEMM in the weight's own axis
+    order (for `x @ w`: `x^T g` is `[K, N]`, no transpose), which keeps XLA from copying
+    the optimizer's outputs into the parameters' layout.
+    """
+    (xc, yc), (xb, yb) = dims
+    x_kept, y_kept = _free(x_ndim, xc, xb), _free(y_ndim, yc, yb)
+    nb = len(xb)
+    ans_x = tuple(range(nb, nb + len(x_kept)))
+    gdims = ((tuple(x_kept), ans_x), (tuple(xb), tuple(range(nb))))
+    y_contract_by_x = [yc[i] for i in np.argsort(xc)]
+    out_axes = tuple(int(i) for i in np.argsort(list(yb) + y_contract_by_x + y_kept))
     return gdims, out_axes
 
 
@@ -101,9 +118,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtyp
     The forward GEMM takes both operands in `recipe.forward_dtype`; the input-gradient and
     weight-gradient GEMMs take the output gradient in `recipe.backward_dtype` and the other
     operand in `recipe.forward_dtype` (the weight gradient in `compute_dtype` when
-    `recipe.high_precision_grad_weight`). Tensorwise scaling quantises each operand once
-    and reuses the fp8 copy in the backward GEMMs; rowwise re-quantises along each GEMM's
-    contracting axes. Operands keep their dtype (float32 masters get float32 gradients).
+    `recipe.high_precision_grad_weight`; it is `lhs . g`, e4m3 x e5m2). Tensorwise
+    scaling quantises each operand once and reuses the fp8 copy in the backward GEMMs;
+    rowwise re-quantises along each GEMM's contracting axes. Operands keep their dtype
+    (float32 masters get float32 gradients).
 
     Args:
       lhs: left operand (activations).
@@ -149,22 +167,21 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtyp
             a, b = saved
             a_dtype, b_dtype = a.dtype, b.dtype
         # d lhs = g . rhs (contract g's rhs-free axes with rhs's free axes)
-        gdims, perm = _grad_lhs_layout(dims, len(a_shape), len(b_shape), swap_ans=False)
+        gdims, perm = _grad_lhs_layout(dims, len(a_shape), len(b_shape))
         qg, sg = _quantize(g, gdims[0][0], bwd_t, recipe)
         if not tensorwise:
             qb, sb = _quantize(b, gdims[0][1], fwd_t, recipe)
         da = jnp.transpose(_scaled_gemm(qg, sg, qb, sb, gdims, compute), perm)
-        # d rhs = g . lhs (swapped roles)
-        sdims = ((rc, lc), (rb, lb))
-        gdims, perm = _grad_lhs_layout(sdims, len(b_shape), len(a_shape), swap_ans=True)
+        # d rhs = lhs . g (contract lhs's free axes with g's lhs-free axes)
+        gdims, perm = _grad_rhs_layout(dims, len(a_shape), len(b_shape))
         if recipe.high_precision_grad_weight:
             a_hi = saved[-1] if tensorwise else a
-            db = lax.dot_general(g.astype(compute), a_hi.astype(compute), gdims)
+            db = lax.dot_general(a_hi.astype(compute), g.astype(compute), gdims)
         else:
             if not tensorwise:
-                qg, sg = _quantize(g, gdims[0][0], bwd_t, recipe)
-                qa, sa = _quantize(a, gdims[0][1], fwd_t, recipe)
-            db = _scaled_gemm(qg, sg, qa, sa, gdims, compute)
+                qa, sa = _quantize(a, gdims[0][0], fwd_t, recipe)
+                qg, sg = _quantize(g, gdims[0][1], bwd_t, recipe)
+            db = _scaled_gemm(qa, sa, qg, sg, gdims, compute)
         db = jnp.transpose(db, perm)
         return da.astype(a_dtype), db.astype(b_dtype)
 
