@@ -29,6 +29,7 @@ def corpus():
     return train_char_lm.load_corpus(max_bytes=200_000)
 
 
+@pytest.mark.slow
 def test_fp8_char_lm_runs_fp8_gemms_and_trains_like_bf16(corpus):
     runs = {}
     for precision in ("bf16", "fp8"):
