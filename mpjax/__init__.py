@@ -1,6 +1,7 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax import inference, nn, pallas, policy, scaling
+from mpjax import fp8, inference, nn, pallas, policy, scaling
+from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
     DEFAULTS,
@@ -49,6 +50,7 @@ __all__ = [
     "NO_DEFAULTS",
     "DynamicLossScale",
     "FoldReport",
+    "Fp8Recipe",
     "InferenceModel",
     "LossScale",
     "LossScaledState",
@@ -65,6 +67,7 @@ __all__ = [
     "half_dtype",
     "convert_for_inference",
     "find_loss_scaled_state",
+    "fp8",
     "get_loss_scale",
     "get_policy",
     "inference",

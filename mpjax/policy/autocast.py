@@ -33,6 +33,8 @@ import numpy as np
 from jax import lax
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
+from mpjax.fp8.autocast_hook import check_autocast_recipe, fp8_lower
+from mpjax.fp8.recipe import Fp8Recipe
 from mpjax.policy.autocast_rules import (
     FLEX,
     HIGHER_ORDER_RULES,
@@ -65,6 +67,7 @@ class _Ctx(NamedTuple):
     compute: np.dtype
     accum: np.dtype | None
     lists: OpLists
+    fp8: Fp8Recipe | None = None
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -140,6 +143,9 @@ def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[li
     category = ctx.lists.category(name, params) if floats else None
 
     if category == "lower":
+        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals)
+        if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
+            return fp8_outs, [LOW] * len(fp8_outs)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
         outs = _lower_precision(ctx, prim, params, vals)
         return outs, [LOW] * len(outs)
@@ -239,6 +245,7 @@ def autocast(
     *,
     op_lists: OpLists | None = None,
     accumulation_dtype: Any = jnp.float32,
+    fp8: Fp8Recipe | None = None,
 ) -> Callable:
     """Returns `fun` rewritten to run in mixed precision, like `torch.autocast`.
 
@@ -263,6 +270,9 @@ def autocast(
       op_lists: an `OpLists`; defaults to `OpLists()`.
       accumulation_dtype: `preferred_element_type` of lower-precision ops, or `None` to
         leave accumulation to the backend (the op then returns the compute dtype directly).
+      fp8: an `Fp8Recipe` (tensorwise or rowwise scaling) to run eligible `dot_general`s
+        as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`); the other
+        lower-precision ops keep the compute dtype.
 
     Returns:
       A function with `fun`'s signature.
@@ -278,7 +288,11 @@ def autocast(
     """
     if fun is None:
         return functools.partial(
-            autocast, policy=policy, op_lists=op_lists, accumulation_dtype=accumulation_dtype
+            autocast,
+            policy=policy,
+            op_lists=op_lists,
+            accumulation_dtype=accumulation_dtype,
+            fp8=fp8,
         )
     if not callable(fun):
         raise TypeError(f"autocast: fun must be callable, got {type(fun).__name__}")
@@ -297,7 +311,7 @@ def autocast(
         if accumulation_dtype is None
         else _as_float_dtype(accumulation_dtype, "autocast accumulation_dtype")
     )
-    ctx = _Ctx(pol.compute_dtype, accum, lists)
+    ctx = _Ctx(pol.compute_dtype, accum, lists, check_autocast_recipe(fp8))
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
