@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
@@ -245,6 +244,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main(argv=None) -> dict:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax picks a backend
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--model", default="all", choices=("resnet", "lm", "all"))
