@@ -45,6 +45,9 @@ KNOWN_FAILING = {
     ("resnet", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
     ("resnet", "fp16-scaled", "roofline"): POLICY_FIX + " and gpu-scaling",
     ("resnet", "fp16-scaled", "convert-kernels"): SCALING_FIX,
+    ("resnet", "convbn", "temp"): POLICY_FIX,
+    ("resnet", "convbn", "roofline"): POLICY_FIX,
+    ("resnet", "convbn", "convert-kernels"): POLICY_FIX,
     ("lm", "policy", "temp"): POLICY_FIX,
     ("lm", "policy", "roofline"): POLICY_FIX,
     ("lm", "autocast", "temp"): POLICY_FIX,
@@ -55,7 +58,16 @@ KNOWN_FAILING = {
     ("opt-step", "loss_scaled", "bytes"): SCALING_FIX,
 }
 MPJAX_PATHS = {
-    "resnet": ("policy", "policy-rules", "autocast", "fp16-scaled", "convbn", "convbn-xla"),
+    "resnet": (
+        "policy",
+        "policy-rules",
+        "autocast",
+        "fp16-scaled",
+        "convbn",
+        "convbn-xla",
+        "convbn-rules",
+        "convbn-rules-xla",
+    ),
     "lm": ("policy", "policy-rules", "autocast", "fp16-scaled"),
 }
 CHECKS = ("f32-matmul", "converts", "convert-kernels", "temp", "roofline")
