@@ -7,6 +7,7 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
+from mpjax.fp8.linen_delayed import check_policy_fp8
 from mpjax.policy.defaults import DEFAULTS, Defaults
 from mpjax.policy.linen import apply_linen_policy
 from mpjax.policy.nnx import apply_nnx_policy
@@ -14,7 +15,14 @@ from mpjax.policy.nnx import apply_nnx_policy
 __all__ = ["apply_policy"]
 
 
-def apply_policy(module: Any, policy: Any, *, defaults: Defaults = DEFAULTS) -> Any:
+def apply_policy(
+    module: Any,
+    policy: Any,
+    *,
+    defaults: Defaults = DEFAULTS,
+    fp8: Any = None,
+    fp8_axis_name: Any = None,
+) -> Any:
     """Runs a Flax model under per-module precision policies.
 
     `policy` is a `Policy`, a spec string, or a `{selector: policy}` mapping whose
@@ -30,6 +38,14 @@ def apply_policy(module: Any, policy: Any, *, defaults: Defaults = DEFAULTS) -> 
         returned).
       policy: the policy or rule mapping.
       defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
+      fp8: linen only: an `Fp8Recipe(scaling="delayed")`; every `nn.Dense` /
+        `nn.DenseGeneral` the policy covers whose kernel is eligible (sizes multiples of
+        16, at least `min_dim`; not excluded by `exclude` patterns on `"Model/path"`)
+        runs fp8 GEMMs with delayed scaling, its state in the `"fp8_meta"` collection
+        (see `mpjax.fp8.update_fp8_meta`).
+      fp8_axis_name: the pmap/shard_map axis name the amaxes are reduced over (`pmax`),
+        so every replica uses the same scale; under jit with sharded (global) arrays
+        the amaxes are global already.
 
     Returns:
       The policy-wrapped linen module, or the NNX model itself.
@@ -38,15 +54,23 @@ def apply_policy(module: Any, policy: Any, *, defaults: Defaults = DEFAULTS) -> 
       TypeError: `module` is not a Flax module; a selector is not a module class of
         the same framework, a string, or `"*"`.
       ValueError: an invalid regex or policy spec, naming the selector; at call time,
-        a module matched by two rules of the same kind, naming both.
+        a module matched by two rules of the same kind, naming both; `fp8` with a
+        current-scaling recipe (use `autocast`), on an NNX model, or a Dense with its
+        own `dot_general`.
 
     Example:
       >>> import flax.linen as nn
       >>> model = apply_policy(nn.Dense(3), {"*": "p=f32,c=bf16", nn.LayerNorm: "f32"})
     """
+    fp8_config = check_policy_fp8(fp8, fp8_axis_name)
     if isinstance(module, nn.Module):
-        return apply_linen_policy(module, policy, defaults=defaults)
+        return apply_linen_policy(module, policy, defaults=defaults, fp8=fp8_config)
     if isinstance(module, nnx.Module):
+        if fp8_config is not None:
+            raise ValueError(
+                "apply_policy: fp8 delayed scaling is implemented for flax.linen modules only; "
+                "for an NNX model use mpjax.autocast(fn, policy, fp8=Fp8Recipe()) (current scaling)"
+            )
         return apply_nnx_policy(module, policy, defaults=defaults)
     raise TypeError(
         "apply_policy expects a flax.linen.Module or a flax.nnx.Module, "

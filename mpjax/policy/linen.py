@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from flax.linen.module import TestScope
 
+from mpjax.fp8.linen_delayed import DelayedFp8, delayed_fp8_override
 from mpjax.policy.defaults import DEFAULTS, Defaults
 from mpjax.policy.policy import cast_floating
 from mpjax.policy.rules import Resolved, Rules, field_overrides, parse_rules, resolve
@@ -130,8 +131,11 @@ def _own_cast(collection: Mapping, dtype) -> dict | None:
 class _Interceptor:
     """The method interceptor of one `PolicyModule` call: per-call state only."""
 
-    def __init__(self, rules: Rules, defaults: Defaults, root: nn.Module):
+    def __init__(
+        self, rules: Rules, defaults: Defaults, root: nn.Module, fp8: DelayedFp8 | None = None
+    ):
         self.rules = rules
+        self.fp8 = fp8
         self.defaults = defaults
         self.root = root
         self.root_path = root.scope.path
@@ -240,9 +244,11 @@ class _Interceptor:
             nn.dot_product_attention,
             float32_softmax_attention,
         )
+        fp8 = self.fp8 if context.method_name == "__call__" else None
+        fp8_name = f"{type(self.root).__name__}/{'/'.join(self.rel_path(module))}"
         self.stack.append(module)
         try:
-            with overrides:
+            with overrides, delayed_fp8_override(module, fp8_name, fp8):
                 out = next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
@@ -269,11 +275,13 @@ class PolicyModule(nn.Module):
       module: the wrapped module.
       rules: the parsed rules (see `mpjax.policy.rules.parse_rules`).
       defaults: the default lists (see `mpjax.policy.defaults.Defaults`).
+      fp8: delayed fp8 scaling of its `Dense`/`DenseGeneral` GEMMs, or None.
     """
 
     module: nn.Module
     rules: Rules
     defaults: Defaults = DEFAULTS
+    fp8: DelayedFp8 | None = None
 
     def setup(self):
         nn.share_scope(self, self.module)
@@ -287,7 +295,7 @@ class PolicyModule(nn.Module):
         `method` is None (`__call__`), a method name, or a function taking the module.
         """
         inner = self.module
-        with nn.intercept_methods(_Interceptor(self.rules, self.defaults, inner)):
+        with nn.intercept_methods(_Interceptor(self.rules, self.defaults, inner, self.fp8)):
             if method is None:
                 return inner(*args, **kwargs)
             if isinstance(method, str):
@@ -310,7 +318,7 @@ class PolicyModule(nn.Module):
 
 
 def apply_linen_policy(
-    module: nn.Module, policy: Any, *, defaults: Defaults = DEFAULTS
+    module: nn.Module, policy: Any, *, defaults: Defaults = DEFAULTS, fp8: DelayedFp8 | None = None
 ) -> PolicyModule:
     """Wraps a linen module so that it runs under per-module precision policies.
 
@@ -320,9 +328,11 @@ def apply_linen_policy(
       policy: a `Policy`, a spec string, or a `{selector: policy}` mapping (see
         `mpjax.policy.rules`).
       defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
+      fp8: delayed fp8 scaling (see `mpjax.fp8.linen_delayed`), or None.
 
     Returns:
-      A `PolicyModule` with the same `init`/`apply` API and variable tree.
+      A `PolicyModule` with the same `init`/`apply` API and variable tree (plus the
+      `"fp8_meta"` collection under `fp8`).
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -337,7 +347,7 @@ def apply_linen_policy(
         raise TypeError(f"expected a flax.linen.Module, got {type(module).__name__}")
     if not isinstance(defaults, Defaults):
         raise TypeError(f"defaults must be a mpjax Defaults, got {type(defaults).__name__}")
-    return PolicyModule(module, parse_rules(policy, nn.Module), defaults)
+    return PolicyModule(module, parse_rules(policy, nn.Module), defaults, fp8)
 
 
 def linen_module_policies(
