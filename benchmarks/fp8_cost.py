@@ -7,7 +7,10 @@ hand-written Flax bf16 step (`bf16`), all with DEFAULT compile options:
   fp8=Fp8Recipe(scaling=..., exclude=("*/head",)))` (the LM head stays bf16, as usual);
 - `flax-fp8`: Flax `fp8_ops.Fp8DotGeneralOp` (delayed scaling, quantise-dequantise form) in
   every block GEMM; `flax-fp8-direct`: `Fp8DirectDotGeneralOp` (fp8 operands into the dot).
-  Their `_overwrite_with_gradient` variables are replaced by their gradients each step.
+  Their `_overwrite_with_gradient` variables are replaced by their gradients each step;
+- `fp8-delayed`: `mpjax.apply_policy(model, ONE_STRING, fp8=Fp8Recipe(scaling="delayed",
+  exclude=("*/head",)))`, the `"fp8_meta"` collection updated in the step by
+  `mpjax.fp8.update_fp8_meta`.
 
 Reported per variant: roofline and its ratio to bf16, temp memory, the GEMM FLOPs by operand
 dtype, and the share of the block GEMMs' FLOPs (QKV, attention output, MLP up/down;
@@ -36,7 +39,13 @@ from flax.linen import fp8_ops  # noqa: E402
 import mpjax  # noqa: E402
 from benchmarks import gpu_cost_model as gcm  # noqa: E402
 from benchmarks.common import format_text  # noqa: E402
-from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, _lm, lm_program  # noqa: E402
+from benchmarks.train_variants import (  # noqa: E402
+    LM_VARIANTS,
+    ONE_STRING,
+    TrainProgram,
+    _lm,
+    lm_program,
+)
 
 REQUIRES_GPU = False
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
@@ -86,6 +95,36 @@ def _flax_fp8(dot_cls):
     return build
 
 
+def _mpjax_delayed(cfg):
+    """`apply_policy(..., fp8=delayed)`: fp8 meta in the state, updated inside the step."""
+    recipe = mpjax.Fp8Recipe(scaling="delayed", exclude=("*/head",))
+    model = mpjax.apply_policy(_lm(cfg), ONE_STRING, fp8=recipe)
+    tx = optax.adamw(3e-4, b2=0.95, weight_decay=0.1)
+    base = lm_program(cfg, model.apply, model, tx=tx)
+
+    def init(key):
+        tokens = jnp.zeros((cfg["batch"], cfg["seq"]), jnp.int32)
+        variables = model.init(key, tokens, tokens > 0)
+        return variables["params"], variables["fp8_meta"], tx.init(variables["params"])
+
+    def step(state, batch):
+        params, meta, opt_state = state
+        tokens, padding = batch
+
+        def loss_fn(p, m):
+            variables = {"params": p, "fp8_meta": m}
+            logits = model.apply(variables, tokens[:, :-1], padding).astype(jnp.float32)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+            return jnp.sum(ce * padding) / jnp.maximum(jnp.sum(padding), 1)
+
+        loss, (grads, meta_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, meta)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        meta = mpjax.fp8.update_fp8_meta(meta, meta_grads, recipe)
+        return (optax.apply_updates(params, updates), meta, opt_state), loss
+
+    return TrainProgram(init, base.batch, step, base.items)
+
+
 FP8_VARIANTS = MappingProxyType(
     {
         "bf16": LM_VARIANTS["bf16"],
@@ -93,6 +132,7 @@ FP8_VARIANTS = MappingProxyType(
         "fp8-rowwise": _autocast_fp8("rowwise"),
         "flax-fp8": _flax_fp8(fp8_ops.Fp8DotGeneralOp),
         "flax-fp8-direct": _flax_fp8(fp8_ops.Fp8DirectDotGeneralOp),
+        "fp8-delayed": _mpjax_delayed,
     }
 )
 
