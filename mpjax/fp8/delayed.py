@@ -19,13 +19,18 @@ import numpy as np
 from jax import lax
 
 from mpjax.fp8.dot import _grad_lhs_layout, _grad_rhs_layout, _scaled_gemm
-from mpjax.fp8.quant import amax, compute_scale, quantize
+from mpjax.fp8.quant import compute_scale, quantize
 from mpjax.fp8.recipe import Fp8Recipe
 
 __all__ = ["FP8_META", "delayed_fp8_dot_general", "init_fp8_meta", "update_fp8_meta"]
 
 FP8_META = "fp8_meta"  # the variable collection of the delayed-scaling state
 _F32 = jnp.float32
+
+
+def _amax(x):
+    """max |x| reduced in x's own dtype (exact), then float32: no float32 copy of x."""
+    return jnp.max(jnp.abs(x)).astype(_F32)
 
 
 def init_fp8_meta(recipe: Fp8Recipe) -> dict:
@@ -72,7 +77,7 @@ def delayed_fp8_dot_general(
     def forward(a, b, s):
         qa, qb = quantize(a, s[0], fwd_t), quantize(b, s[1], fwd_t)
         out = _scaled_gemm(qa, s[0], qb, s[1], dims, compute)
-        seen = (amax(a), amax(b))
+        seen = (_amax(a), _amax(b))
         hi = a if recipe.high_precision_grad_weight else None
         return out, (qa, qb, s, seen, hi)
 
@@ -87,7 +92,7 @@ def delayed_fp8_dot_general(
         else:
             db = _scaled_gemm(qa, s[0], qg, s[2], gdims, compute)
         db = jnp.transpose(db, perm)
-        seen = reduce(jnp.stack([amax_a, amax_b, amax(g)]))
+        seen = reduce(jnp.stack([amax_a, amax_b, _amax(g)]))
         return da.astype(a_dtype), db.astype(b_dtype), seen
 
     op = jax.custom_vjp(lambda a, b, s: forward(a, b, s)[0])
