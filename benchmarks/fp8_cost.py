@@ -8,8 +8,9 @@ hand-written Flax bf16 step (`bf16`), all with DEFAULT compile options:
 - `flax-fp8`: Flax `fp8_ops.Fp8DotGeneralOp` (delayed scaling, quantise-dequantise form) in
   every block GEMM; `flax-fp8-direct`: `Fp8DirectDotGeneralOp` (fp8 operands into the dot).
   Their `_overwrite_with_gradient` variables are replaced by their gradients each step;
-- `fp8-delayed`: `mpjax.apply_policy(model, ONE_STRING, fp8=Fp8Recipe(scaling="delayed",
-  exclude=("*/head",)))`, the `"fp8_meta"` collection updated in the step by
+- `fp8-delayed`: `mpjax.apply_policy(model, RULES, fp8=Fp8Recipe(scaling="delayed",
+  exclude=("*/head",)))` (RULES: bf16 between the modules, float32 logits, as the
+  hand-written bf16 model), the `"fp8_meta"` collection updated in the step by
   `mpjax.fp8.update_fp8_meta`.
 
 Reported per variant: roofline and its ratio to bf16, temp memory, the GEMM FLOPs by operand
@@ -42,6 +43,7 @@ from benchmarks.common import format_text  # noqa: E402
 from benchmarks.train_variants import (  # noqa: E402
     LM_VARIANTS,
     ONE_STRING,
+    RULES,
     TrainProgram,
     _lm,
     lm_program,
@@ -98,7 +100,7 @@ def _flax_fp8(dot_cls):
 def _mpjax_delayed(cfg):
     """`apply_policy(..., fp8=delayed)`: fp8 meta in the state, updated inside the step."""
     recipe = mpjax.Fp8Recipe(scaling="delayed", exclude=("*/head",))
-    model = mpjax.apply_policy(_lm(cfg), ONE_STRING, fp8=recipe)
+    model = mpjax.apply_policy(_lm(cfg), dict(RULES), fp8=recipe)
     tx = optax.adamw(3e-4, b2=0.95, weight_decay=0.1)
     base = lm_program(cfg, model.apply, model, tx=tx)
 
