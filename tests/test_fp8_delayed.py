@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import errors as flax_errors
 from flax import nnx, serialization
 from jax.sharding import NamedSharding, PartitionSpec
 from test_fp8_autocast import TOL_E4M3, TOL_E5M2, f64_grads, gemm_operand_dtypes, rel_err, wide
@@ -347,6 +348,8 @@ def test_bad_input_is_named():
     recipe = delayed(amax_history_len=4)
     model, x, v = setup(recipe)
     grads, meta_grads = jax.grad(make_loss(model), (0, 1))(v["params"], v["fp8_meta"], x)
+    with pytest.raises(flax_errors.ScopeCollectionNotFound, match="fp8_meta"):
+        model.apply({"params": v["params"]}, x)  # the meta left out of apply
     with pytest.raises(ValueError, match="same tree|structure"):
         update_fp8_meta(v["fp8_meta"], grads, recipe)  # the params' gradient by mistake
     with pytest.raises(ValueError, match="delayed"):
