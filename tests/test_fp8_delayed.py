@@ -160,6 +160,49 @@ def test_gradients_vs_float64_after_a_warm_up_step():
     assert rel_err(cold, ref) > 2 * TOL_E4M3
 
 
+class Heads(nn.Module):
+    """Attention-style projections: DenseGeneral to (heads, dim) and back over two axes."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.DenseGeneral((4, 32), axis=-1)(x)  # [b, 4, 32]
+        return nn.DenseGeneral(96, axis=(-2, -1))(nn.gelu(h))
+
+
+def test_dense_general_multi_axis_gradients_vs_float64():
+    recipe = delayed(amax_history_len=2)
+    model = mpjax.apply_policy(Heads(), F32, fp8=recipe)
+    rng = np.random.default_rng(11)
+    x, r = wide(rng, (64, 128)), wide(rng, (64, 96))
+    v = model.init(jax.random.key(1), x)
+    assert set(v["fp8_meta"]) == {"DenseGeneral_0", "DenseGeneral_1"}
+
+    def loss(params, meta):
+        return jnp.sum(model.apply({"params": params, "fp8_meta": meta}, x) * r)
+
+    grad = jax.jit(jax.grad(loss, (0, 1)))
+    meta = update_fp8_meta(v["fp8_meta"], grad(v["params"], v["fp8_meta"])[1], recipe)
+    g = grad(v["params"], meta)[0]
+    plain = Heads()
+    ref = f64_grads(lambda p: jnp.sum(plain.apply({"params": p}, x) * r), v["params"])[1][0]
+    # the last layer: one e5m2 GEMM; the first: two fp8 layers back to back (as for autocast)
+    assert rel_err(g["DenseGeneral_1"]["kernel"], ref["DenseGeneral_1"]["kernel"]) < TOL_E5M2
+    assert rel_err(g["DenseGeneral_0"]["kernel"], ref["DenseGeneral_0"]["kernel"]) < 2 * TOL_E5M2
+
+
+def test_activation_sizes_off_16_fall_back_to_the_compute_dtype():
+    recipe = delayed(amax_history_len=2)
+    model, x, v = setup(recipe)
+    small = x[:3]  # 3 rows: not a multiple of 16
+    dtypes = gemm_operand_dtypes(
+        lambda p, m: model.apply({"params": p, "fp8_meta": m}, small), v["params"], v["fp8_meta"]
+    )
+    assert not any(E4 in d or E5 in d for d in dtypes)
+    _, meta_grads = jax.grad(make_loss(model), (0, 1))(v["params"], v["fp8_meta"], small)
+    meta = update_fp8_meta(v["fp8_meta"], meta_grads, recipe)
+    np.testing.assert_array_equal(meta["Dense_0"]["scale"], v["fp8_meta"]["Dense_0"]["scale"])
+
+
 # ----------------------------------------------------------------------------- devices
 
 
