@@ -4,8 +4,12 @@ Like `torch.autocast`, but as a function transformation: the function is traced 
 and re-evaluated equation by equation, each primitive rebound with operands cast by the
 rules of an `OpLists`:
 
-* `lower_precision` ops (`dot_general`, `conv_general_dilated`) take compute-dtype operands,
-  accumulate in float32 (`preferred_element_type`) and return the compute dtype;
+* `lower_precision` ops (`dot_general`, `conv_general_dilated`) take compute-dtype operands
+  and return the compute dtype; GEMMs accumulate in float32 (`preferred_element_type`),
+  convolutions are bound with a compute-dtype result (see `lower_precision_op`);
+* a compute-dtype value normalised by broadcast float32 statistics (BatchNorm, LayerNorm)
+  is computed in float32 and counts as the compute dtype (see `_continues_narrow`); rows
+  gathered from a floating argument (an embedding table) are gathered in the compute dtype;
 * `fp32` ops (exp, log, rsqrt, reductions, ...) run in float32;
 * every other op runs in the widest dtype of its floating inputs; scalar literals and values
   computed from literals alone adapt to their partner (like JAX's weak types);
@@ -320,7 +324,8 @@ def autocast(
     Args:
       fun: the function; omit it to use `autocast(policy=...)` as a decorator.
       policy: a `Policy` or spec string; `compute_dtype` and `output_dtype` are used
-        (`param_dtype` is not: arguments are not cast).
+        (`param_dtype` is not: arguments are not cast). `output_dtype` applies where values
+        leave `fun`, as it applies at the boundary of the model for `apply_policy`.
       op_lists: an `OpLists`; defaults to `OpLists()`.
       accumulation_dtype: `preferred_element_type` of lower-precision ops, or `None` to
         leave accumulation to the backend (the op then returns the compute dtype directly).
