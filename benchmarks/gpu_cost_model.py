@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
@@ -40,6 +39,7 @@ from benchmarks.train_models import LM_SIZES, RESNET_SIZES, VOCAB  # noqa: E402
 from benchmarks.train_variants import VARIANTS  # noqa: E402
 
 REQUIRES_GPU = False  # compiles for a GPU; runs without one
+TIMEOUT_SCALE = 4  # 16 compiles of full train steps: ~10 min on 2 cores (benchmarks/run.py)
 TARGET = Path(__file__).resolve().parent / "h100.txtpb"
 ENV_PYTHON = "MPJAX_GPU_AOT_PYTHON"
 ANCHOR = "bf16"
@@ -245,6 +245,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main(argv=None) -> dict:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax picks a backend
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--model", default="all", choices=("resnet", "lm", "all"))

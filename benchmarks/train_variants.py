@@ -19,8 +19,9 @@ The variants (mpjax's own paths against the hand-written anchor):
 - `fp16-scaled`: `apply_policy(model, FP16)` + `loss_scaled(tx)` (dynamic) + `scale_loss`;
 - `fp16-bare`: the same without loss scaling (the bare step the loss-scaled one is paid
   against; not a usable training recipe);
-- ResNet only: `convbn` / `convbn-xla`: the net on `mpjax.nn.ConvBN` under `RULES`
-  (impl "auto", which is the Pallas kernels on CUDA, and impl "xla").
+- ResNet only: `convbn` / `convbn-xla`: the net on `mpjax.nn.ConvBN` under `ONE_STRING`
+  (impl "auto", which is the Pallas kernels on CUDA, and impl "xla"); `convbn-rules` /
+  `convbn-rules-xla`: the same under `RULES` (a clean bf16 net: bf16 between the layers).
 """
 
 from __future__ import annotations
@@ -193,11 +194,11 @@ def _resnet_fp16_scaled(cfg):
     return _resnet_with(lambda c: mpjax.apply_policy(_resnet(c), FP16), tx=tx, scaled=True)(cfg)
 
 
-def _convbn(impl):
+def _convbn(impl, policy):
     def init_fn(cfg):
         return ConvBNResNet(cfg["stages"], cfg["classes"], cfg["width"], impl=impl)
 
-    return _resnet_with(lambda c: mpjax.apply_policy(init_fn(c), dict(RULES)), init_fn=init_fn)
+    return _resnet_with(lambda c: mpjax.apply_policy(init_fn(c), policy), init_fn=init_fn)
 
 
 RESNET_VARIANTS = MappingProxyType(
@@ -209,8 +210,10 @@ RESNET_VARIANTS = MappingProxyType(
         "autocast": _resnet_autocast,
         "fp16-scaled": _resnet_fp16_scaled,
         "fp16-bare": _resnet_with(lambda c: mpjax.apply_policy(_resnet(c), FP16)),
-        "convbn": _convbn("auto"),
-        "convbn-xla": _convbn("xla"),
+        "convbn": _convbn("auto", ONE_STRING),
+        "convbn-xla": _convbn("xla", ONE_STRING),
+        "convbn-rules": _convbn("auto", dict(RULES)),
+        "convbn-rules-xla": _convbn("xla", dict(RULES)),
     }
 )
 
