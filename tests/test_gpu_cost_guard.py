@@ -37,20 +37,7 @@ OPT_BYTES_MARGIN, OPT_MAX_KERNELS, FP16_STEP_BYTES_MARGIN = 1.15, 130, 1.05
 POLICY_FIX = "issue 14: fixed by gpu-policy"
 SCALING_FIX = "issue 14: fixed by gpu-scaling"
 KNOWN_FAILING = {
-    ("resnet", "policy", "temp"): POLICY_FIX,
-    ("resnet", "policy", "roofline"): POLICY_FIX,
-    ("resnet", "autocast", "f32-matmul"): POLICY_FIX,
-    ("resnet", "autocast", "temp"): POLICY_FIX,
-    ("resnet", "autocast", "roofline"): POLICY_FIX,
-    ("resnet", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
-    ("resnet", "fp16-scaled", "roofline"): POLICY_FIX + " and gpu-scaling",
     ("resnet", "fp16-scaled", "convert-kernels"): SCALING_FIX,
-    ("resnet", "convbn", "temp"): POLICY_FIX,
-    ("resnet", "convbn", "roofline"): POLICY_FIX,
-    ("resnet", "convbn", "convert-kernels"): POLICY_FIX,
-    ("lm", "policy", "temp"): POLICY_FIX,
-    ("lm", "policy", "roofline"): POLICY_FIX,
-    ("lm", "autocast", "temp"): POLICY_FIX,
     ("lm", "autocast", "roofline"): POLICY_FIX,
     ("lm", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
     ("lm", "fp16-scaled", "roofline"): POLICY_FIX + " and gpu-scaling",
