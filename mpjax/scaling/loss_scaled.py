@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -10,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpjax.pallas.dispatch import IMPLS
+from mpjax.pallas.unscale import all_finite_unscaled, xla_unscale_and_check
 from mpjax.scaling.checks import (
     _check_loss_scale,
     _check_param_dtypes,
@@ -22,6 +23,7 @@ from mpjax.scaling.loss_scale import (
     _wide_dtype,
     all_finite,
     select_tree,
+    unscale_tree,
 )
 
 __all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
@@ -84,22 +86,6 @@ def _view(params: Any, master: Any) -> Any:
     return jax.tree.map(view, params, master)
 
 
-def xla_unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
-    """Unscales `grads` to float32 and checks them for inf/NaN, with plain XLA ops.
-
-    Args:
-      grads: a pytree of (scaled) gradients.
-      loss_scale: the scalar loss scale.
-
-    Returns:
-      `(unscaled, all_finite)`.
-    """
-    from mpjax.scaling.loss_scale import unscale_tree
-
-    unscaled = unscale_tree(grads, loss_scale)
-    return unscaled, all_finite(unscaled)
-
-
 def loss_scaled(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
@@ -146,7 +132,10 @@ def loss_scaled(
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
-        replacing the built-in one; None uses `mpjax.pallas.unscale_and_check` with `impl`.
+        replacing the built-in check; None (the default) checks with
+        `mpjax.pallas.all_finite_unscaled` (which only reads the gradients) and divides by
+        the loss scale inside the inner update, where XLA fuses the multiply (and any
+        convert) into the optimizer's own elementwise kernels.
       max_consecutive_skips: if set, the step that would be the N-th non-finite step in
         a row raises `TrainingDivergedError` from inside the compiled step (it reaches
         Python as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error
@@ -163,9 +152,9 @@ def loss_scaled(
         under `lax.cond` (on XLA:CPU, selecting over donated buffers costs a copy of the
         optimizer state per step); "auto" uses "cond" on CPU and "select" elsewhere.
         The results are the same.
-      impl: the unscale + finite check: "auto" (the multi-tensor Pallas kernel on CUDA
-        GPUs — one launch per 128 leaves instead of a reduction per leaf — plain XLA
-        elsewhere), "pallas", "interpret" or "xla".
+      impl: the finite check: "auto" (the multi-tensor Pallas kernel on CUDA GPUs — one
+        launch per 128 leaves, reading each gradient once in its own dtype, instead of a
+        reduction per leaf — plain XLA elsewhere), "pallas", "interpret" or "xla".
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -208,16 +197,10 @@ def loss_scaled(
             f"got {max_consecutive_skips!r}"
         )
     inner = optax.with_extra_args_support(inner)
-    if unscale_and_check is None:
-        # Imported here: the kernels build on this module's XLA reference.
-        from mpjax.pallas.dispatch import IMPLS
-        from mpjax.pallas.unscale import unscale_and_check as kernel
-
-        if impl not in IMPLS:
-            raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
-        check = functools.partial(kernel, impl=impl)
-    else:
-        check = unscale_and_check
+    if unscale_and_check is None and impl not in IMPLS:
+        raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
+    # The default check only reads the gradients; they are unscaled inside `take_step`.
+    lazy_unscale = unscale_and_check is None
 
     def init_fn(params):
         _check_param_dtypes(params)
@@ -247,7 +230,11 @@ def loss_scaled(
             )
         _check_same_structure(grads, params)
 
-        unscaled, grads_finite = check(grads, state.loss_scale.loss_scale)
+        scale = state.loss_scale.loss_scale
+        if lazy_unscale:
+            step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=impl)
+        else:
+            step_in, grads_finite = unscale_and_check(grads, scale)
         grads_finite = jnp.asarray(grads_finite, jnp.bool_)
         if axis_name is not None:
             grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
@@ -277,8 +264,11 @@ def loss_scaled(
             same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
             return jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
 
-        def take_step(unscaled):
+        def take_step(step_in):
             """The step on finite gradients: (updates, inner state, master, values finite)."""
+            # Unscaled here, so the multiply fuses into the inner update's kernels instead of
+            # writing an unscaled copy of every gradient.
+            unscaled = unscale_tree(step_in, scale) if lazy_unscale else step_in
             view = _view(params, state.master)
             inner_grads = jax.tree.map(
                 lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
@@ -324,8 +314,8 @@ def loss_scaled(
                 new_inner = select_tree(ok, new_inner, state.inner_state)
             return updates, new_inner, new_master, ok
 
-        def skip_step(unscaled):
-            del unscaled
+        def skip_step(step_in):
+            del step_in
             updates = jax.tree.map(
                 lambda p: (
                     jnp.full(p.shape, -0.0, _wide_dtype(p.dtype))
@@ -336,19 +326,19 @@ def loss_scaled(
             )
             return updates, state.inner_state, state.master, jnp.array(False)
 
-        def by_cond(unscaled):
-            return jax.lax.cond(grads_finite, take_step, skip_step, unscaled)
+        def by_cond(step_in):
+            return jax.lax.cond(grads_finite, take_step, skip_step, step_in)
 
-        def by_select(unscaled):
-            return select_tree(grads_finite, take_step(unscaled), skip_step(unscaled))
+        def by_select(step_in):
+            return select_tree(grads_finite, take_step(step_in), skip_step(step_in))
 
         if skip_impl == "cond":
-            updates, new_inner, new_master, ok = by_cond(unscaled)
+            updates, new_inner, new_master, ok = by_cond(step_in)
         elif skip_impl == "select":
-            updates, new_inner, new_master, ok = by_select(unscaled)
+            updates, new_inner, new_master, ok = by_select(step_in)
         else:
             updates, new_inner, new_master, ok = jax.lax.platform_dependent(
-                unscaled, cpu=by_cond, default=by_select
+                step_in, cpu=by_cond, default=by_select
             )
         finite = jnp.logical_and(grads_finite, ok)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
