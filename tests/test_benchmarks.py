@@ -198,18 +198,25 @@ def test_quick_suite_writes_step_overhead_table(tmp_path):
     result = rec["result"]
     common.check_result(result)
     cols = result["columns"]
-    rows = {row[0]: dict(zip(cols, row, strict=True)) for row in result["rows"]}
-    names = list(rows)
-    assert names[0] == "bare optax adam"
-    assert {"mpjax.loss_scaled(adam)", "flax DynamicScale"} <= set(names)
-    assert any("apply_if_finite" in n for n in names)
-    base = rows["bare optax adam"]
-    assert base["bytes ratio"] == 1.0 and base["time ratio"] == 1.0
-    for row in rows.values():
-        assert row["bytes accessed (MB)"] > 0 and row["median ms/step"] > 0
-        assert 0.5 < row["bytes ratio"] < 10
-    # Every loss-scaling pattern does more memory traffic than the bare step.
-    assert all(rows[n]["bytes ratio"] > 1.0 for n in names[1:])
+    # Every variant is timed with and without donation, each against bare optax in its mode.
+    for donated in ("yes", "no"):
+        rows = {
+            row[0]: dict(zip(cols, row, strict=True))
+            for row in result["rows"]
+            if row[1] == donated
+        }
+        names = list(rows)
+        assert names[0] == "bare optax adam"
+        assert {"mpjax.loss_scaled(adam)", "flax DynamicScale"} <= set(names)
+        assert any("apply_if_finite" in n for n in names)
+        base = rows["bare optax adam"]
+        assert base["bytes ratio"] == 1.0 and base["time ratio"] == 1.0
+        for row in rows.values():
+            assert row["bytes accessed (MB)"] > 0 and row["median ms/step"] > 0
+            assert 0.5 < row["bytes ratio"] < 10
+        # Every loss-scaling pattern does more memory traffic than the bare step.
+        assert all(rows[n]["bytes ratio"] > 1.0 for n in names[1:])
+    assert "not donated, mpjax / flax DynamicScale" in result["notes"]
 
     gpu = data["benchmarks"]["gpu"]
     if jax.default_backend() != "gpu":
