@@ -1,4 +1,4 @@
-"""GPU kernels per loss-scaled optimizer step, counted from a deviceless XLA:GPU compile for H100.
+"""GPU kernels and bytes per loss-scaled optimizer step, from a deviceless XLA:GPU compile for H100.
 
 Needs the `gpu-aot` extra (the `jax-cuda12-plugin` and `jax-cuda12-pjrt` wheels of the pinned
 jaxlib, installed with `--no-deps`; keep them out of a CPU-only environment) and no GPU:
@@ -10,18 +10,19 @@ jaxlib, installed with `--no-deps`; keep them out of a CPU-only environment) and
 
 Each optimizer step (update + apply_updates, gradients given) of a 120-leaf model is compiled
 with `jax.jit(...).trace(...).lower().compile()` for the target described by
-`benchmarks/h100.txtpb`, and the kernel launches are read from XLA's thunk sequence (the list of
-operations the GPU executable runs). Without the plugin, `run()` reports no rows and says why.
+`benchmarks/h100.txtpb`, and read by the GPU cost model's HLO analysis (`benchmarks/hlo_cost.py`,
+the same as `benchmarks/gpu_cost_model.py`): kernels, bytes accessed, temp memory and roofline.
+Without the plugin, `run()` runs this script with the python of `$MPJAX_GPU_AOT_PYTHON`, or
+reports itself skipped. `--json PATH` writes the result (rows and per-pattern figures).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
+import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,11 +34,25 @@ import optax  # noqa: E402
 
 import mpjax  # noqa: E402
 from benchmarks.common import format_text  # noqa: E402
+from benchmarks.gpu_cost_model import (  # noqa: E402
+    compile_step,
+    delegate_to_gpu_aot,
+    h100_sharding,
+    measure,
+    plugin_available,
+)
 
-TARGET = Path(__file__).resolve().parent / "h100.txtpb"
-KERNEL_KINDS = ("kKernel", "kCustomKernel")
-TITLE = "GPU kernels per optimizer step (deviceless XLA:GPU compile for H100)"
-COLUMNS = ["pattern", "params", "kernels", "other thunks", "vs optax.adam"]
+REQUIRES_GPU = False  # compiles for a GPU; runs without one
+TITLE = "GPU kernels and bytes per optimizer step (deviceless XLA:GPU compile for H100)"
+COLUMNS = [
+    "pattern",
+    "params",
+    "kernels",
+    "MB accessed",
+    "bytes vs optax.adam",
+    "temp MiB",
+    "roofline us",
+]
 
 
 def _model(n_blocks: int, width: int, dtype) -> dict:
@@ -88,44 +103,17 @@ def _flax_dynamic_scale_step(tx):
     return step, init
 
 
-def _count(step, init, params, grads, sharding, dump_dir) -> collections.Counter:
-    def place(tree):
-        return jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree
-        )
-
-    opt_state = place(jax.eval_shape(init, params))
-    grads, params = place(grads), place(params)
-    lowered = jax.jit(step, donate_argnums=(0, 1)).trace(params, opt_state, grads).lower()
-    lowered.compile(compiler_options={"xla_dump_to": dump_dir})
-    [sequence] = Path(dump_dir).glob("*.thunk_sequence.txt")
-    kinds = collections.Counter()
-    for line in sequence.read_text().splitlines():
-        if line.strip():
-            kinds[line.split()[1]] += 1
-    return kinds
+def _measure(step, init, params, grads, sharding) -> dict:
+    opt_state = jax.eval_shape(init, params)
+    compiled = compile_step(step, (params, opt_state, grads), sharding, donate_argnums=(0, 1))
+    return measure(compiled)
 
 
 def run(quick: bool = False) -> dict:
-    """Counts kernels per step for each pattern; see the module docstring."""
-    try:
-        from jax.experimental import topologies
-
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=TARGET.read_text(), topology="1x1x1"
-        )
-    except Exception as e:  # the plugin is missing, or cannot describe the target
-        return {
-            "title": TITLE,
-            "columns": COLUMNS,
-            "rows": [],
-            "notes": (
-                "not run: deviceless CUDA compilation is unavailable here "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); install the gpu-aot "
-                "extra in a separate environment (see the module docstring)"
-            ),
-        }
-    sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    """Kernels and bytes per step for each pattern; see the module docstring."""
+    if not plugin_available():
+        return delegate_to_gpu_aot(Path(__file__), quick)
+    sharding = h100_sharding()
     n_blocks, width = (6, 64) if quick else (30, 256)
     f32 = _model(n_blocks, width, jnp.float32)
     bf16 = _model(n_blocks, width, jnp.bfloat16)
@@ -170,15 +158,22 @@ def run(quick: bool = False) -> dict:
             bf16,
         ),
     ]
-    rows = []
-    baseline = None
+    rows, details = [], []
     for name, params_kind, (step, init), params, grads in cases:
-        with tempfile.TemporaryDirectory() as dump_dir:
-            kinds = _count(step, init, params, grads, sharding, dump_dir)
-        kernels = sum(kinds[k] for k in KERNEL_KINDS)
-        others = sum(n for k, n in kinds.items() if k not in KERNEL_KINDS)
-        baseline = baseline or kernels
-        rows.append([name, params_kind, kernels, others, round(kernels / baseline, 2)])
+        figures = _measure(step, init, params, grads, sharding)
+        details.append({"pattern": name, "params": params_kind, **figures})
+        base = details[0]
+        rows.append(
+            [
+                name,
+                params_kind,
+                figures["kernels"],
+                round(figures["bytes"] / 1e6, 2),
+                round(figures["bytes"] / base["bytes"], 3),
+                round(figures["temp_bytes"] / 2**20, 2),
+                round(figures["roofline_s"] * 1e6, 1),
+            ]
+        )
     return {
         "title": TITLE,
         "columns": COLUMNS,
@@ -187,14 +182,29 @@ def run(quick: bool = False) -> dict:
             f"{n_leaves}-leaf model ({n_blocks} blocks of a {width}x{width} kernel, bias, norm "
             "scale and bias); one optimizer step with gradients given (jit, params and state "
             "donated), compiled deviceless for benchmarks/h100.txtpb with jax "
-            f"{jax.__version__}. kernels = kKernel + kCustomKernel thunks of XLA's thunk "
-            "sequence (before command-buffer grouping); other thunks = copies, memsets etc. "
-            "Target for the loss-scaled step: <= 130 kernels for 120 leaves."
+            f"{jax.__version__}, read by benchmarks/hlo_cost.py (kernels: every fusion, custom "
+            "call and unfused op the program launches; bytes: operands + result per kernel). "
+            "Targets for the loss-scaled step: <= 1.15x the bare step's bytes and <= 130 "
+            "kernels for 120 leaves."
         ),
+        "details": details,
+        "n_leaves": n_leaves,
     }
 
 
-if __name__ == "__main__":
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 24-leaf model")
-    print(format_text(run(quick=parser.parse_args().quick)))
+    parser.add_argument("--json", default=None, help="write the result to this file")
+    args = parser.parse_args(argv)
+    if not plugin_available():
+        raise SystemExit("kernel_count: deviceless CUDA compile unavailable (no jax CUDA plugin)")
+    result = run(quick=args.quick)
+    print(format_text(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """The benchmark suite runs end to end and writes well-formed results (so it cannot rot)."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -232,18 +233,30 @@ def test_quick_suite_writes_step_overhead_table(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_script_smoke_mode_runs_each_precision(capsys):
-    from benchmarks import gpu
+    from benchmarks import gpu, train_variants
 
     result = gpu.main(["--smoke"])
     assert "SMOKE RUN" in capsys.readouterr().out
     common.check_result(result)
-    rows = {row[0]: dict(zip(result["columns"], row, strict=True)) for row in result["rows"]}
-    assert list(rows) == list(gpu.VARIANTS)
-    for name, row in rows.items():
-        assert row["images/s (median)"] > 0
-        low, total = map(int, row["low-precision convs"].split("/"))
-        assert total > 0
-        # The policy-derived models really run their convolutions in low precision.
-        assert low == (0 if name == "fp32" else total), name
-    assert rows["fp32"]["x fp32"] == 1.0
-    assert rows["bf16 hand-written Flax (anchor)"]["x anchor"] == 1.0
+    cols = result["columns"]
+    rows = {(row[0], row[1]): dict(zip(cols, row, strict=True)) for row in result["rows"]}
+    for model in ("resnet", "lm"):
+        # Every registered variant of the model is timed, under its label.
+        expected = [k for k, v in gpu.VARIANTS.items() if v in train_variants.VARIANTS[model]]
+        assert [label for m, label in rows if m == model] == expected
+        for label in expected:
+            row = rows[(model, label)]
+            assert row["items/s (median)"] > 0
+            low, total = map(int, row["low-precision matmuls"].split("/"))
+            assert total > 0
+            # mpjax's paths really run their matmuls in low precision (fp32 none).
+            if label == "fp32":
+                assert low == 0
+            else:
+                assert low > 0, (model, label)
+            # autocast's float32 mask constant saturates to -inf in bf16 (fully masked padding
+            # rows give NaN): rm-policy's fix; strict, so the exception goes when it lands.
+            known_bug = (model, label) == ("lm", "autocast")
+            assert math.isfinite(row["last loss"]) != known_bug, (model, label, row["last loss"])
+        assert rows[(model, "fp32")]["x fp32"] == 1.0
+        assert rows[(model, gpu.ANCHOR)]["x anchor"] == 1.0

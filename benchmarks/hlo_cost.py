@@ -1,0 +1,486 @@
+"""A crude cost analysis of optimized XLA:GPU HLO text: kernels, FLOPs, bytes and a roofline.
+
+`compiled.cost_analysis()` is unimplemented for an executable compiled without a device, so
+this module reads `compiled.as_text()` (the optimized HLO) instead. Every instruction of the
+entry computation (and of the bodies of `call`, `while` and `conditional` it reaches) that
+launches work on the GPU is one kernel:
+
+- fusions, by kind: `loop fusion` (kLoop), `input fusion` (kInput: reductions, transposes),
+  `output fusion`, and kCustom fusions named by their backend kind (`triton gemm`,
+  `triton fusion`, `cudnn fusion`, ...);
+- custom calls: `cublas gemm` (`__cublas$gemm`, `__cublas$lt$matmul...`), `cudnn conv`
+  (`__cudnn$conv...`), `pallas/triton call` (`__gpu$xla.gpu.triton`), other targets by name;
+- unfused ops (`copy`, `scatter`, `sort`, ...) by their opcode.
+
+Per kernel: bytes = the sizes of its distinct operands plus its result (what it reads and
+writes once; a slice of a big operand is over-counted); tensor FLOPs = 2 x multiply-adds of
+the dots and convolutions it runs (inside fusions too), keyed by operand dtype; other FLOPs =
+one per output element of each elementwise/reduce instruction it fuses. The roofline time of
+a kernel is `max(tensor_flops / peak(dtype) + other_flops / PEAK_VECTOR, bytes / HBM_BW)`,
+summed over kernels (no overlap, no launch latency).
+
+Peaks are the H100 SXM data-sheet dense figures (NVIDIA H100 Tensor Core GPU datasheet).
+float32 dots and convolutions run as TF32 on tensor cores under XLA's default precision.
+
+Example:
+  >>> report = analyze(compiled.as_text())
+  >>> report.roofline_s, report.kernels_by_kind
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from typing import NamedTuple
+
+__all__ = [
+    "DTYPE_BYTES",
+    "HBM_BYTES_PER_S",
+    "PEAK_FLOPS",
+    "PEAK_VECTOR",
+    "HloReport",
+    "Kernel",
+    "analyze",
+    "parse_module",
+]
+
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
+PEAK_FLOPS = {  # dense tensor-core FLOP/s by operand dtype
+    "f8e4m3fn": 1979e12,
+    "f8e5m2": 1979e12,
+    "bf16": 989e12,
+    "f16": 989e12,
+    "f32": 494e12,  # TF32 (XLA's default precision for float32 dots/convs)
+    "f64": 67e12,
+}
+PEAK_VECTOR = 67e12  # float32, non-tensor-core
+
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
+}
+
+# Instructions that launch nothing (aliasing, tuples, constants folded into the binary).
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "add-dependency",
+}
+_CONTROL = {"call", "while", "conditional"}
+# Fused instructions that move data but compute nothing.
+_DATA_MOVEMENT = _FREE | {
+    "broadcast",
+    "reshape",
+    "transpose",
+    "copy",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "iota",
+    "reverse",
+    "gather",
+    "convert",
+    "bitcast-convert",
+}
+
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
+
+
+class Instr(NamedTuple):
+    """One HLO instruction: name, result shapes [(dtype, dims)], opcode, operands, attrs."""
+
+    name: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+
+
+class Kernel(NamedTuple):
+    """One GPU kernel launch of the program, with its crude costs."""
+
+    name: str
+    kind: str
+    bytes: int
+    tensor_flops: dict  # operand dtype -> FLOPs of dots/convs
+    gemm_flops: dict  # operand dtype -> FLOPs of dots
+    conv_flops: dict  # operand dtype -> FLOPs of convolutions
+    other_flops: int
+    time_s: float
+    only_converts: bool  # moves data and converts dtypes, nothing else
+
+
+class HloReport(NamedTuple):
+    """What `analyze` reads from one optimized HLO module."""
+
+    kernels: tuple[Kernel, ...]
+    kernels_by_kind: dict
+    gemm_flops: dict
+    conv_flops: dict
+    gemms_by_dtype: dict  # operand dtype -> number of dot instructions
+    convs_by_dtype: dict  # operand dtype -> number of convolutions
+    converts: int
+    convert_kernels: int  # kernels that only convert (materialised casts)
+    bytes: int
+    roofline_s: float
+
+
+def _split_top(text: str) -> list[str]:
+    """Splits at commas not nested in (), [], {}."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at `text[start]`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO line: {text[:200]!r}")
+
+
+def _shapes(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple(
+        (dt, tuple(int(d) for d in dims.split(",") if d))
+        for dt, dims in _SHAPE.findall(type_text)
+        if dt in DTYPE_BYTES
+    )
+
+
+def _parse_instr(line: str) -> Instr | None:
+    m = _NAME.match(line)
+    if not m:
+        return None
+    rest = line[m.end() :]
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = rest.index(" ")
+    type_text, rest = rest[:end], rest[end:].lstrip()
+    paren = rest.index("(")
+    opcode = rest[:paren]
+    close = _balanced(rest, paren)
+    operands = tuple(
+        o.split("%")[-1].strip() for o in _split_top(rest[paren + 1 : close - 1]) if "%" in o
+    )
+    return Instr(m.group(1), _shapes(type_text), opcode, operands, rest[close:])
+
+
+def parse_module(text: str) -> tuple[dict, str]:
+    """({computation name: {instr name: Instr}}, entry computation name) of HLO text."""
+    comps: dict[str, dict[str, Instr]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            comps[current] = {}
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instr = _parse_instr(line)
+        if instr is not None:
+            comps[current][instr.name] = instr
+    if entry is None:
+        raise ValueError("parse_module: no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _nbytes(shapes) -> int:
+    return int(sum(DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in shapes))
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    m = re.search(rf"\b{key}=([^\s,]+(?:\{{[^}}]*\}})?)", attrs)
+    return m.group(1) if m else None
+
+
+def _dims_attr(attrs: str, key: str) -> tuple[int, ...]:
+    m = re.search(rf"\b{key}=\{{([0-9,]*)\}}", attrs)
+    return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+
+
+def _backend_config(attrs: str) -> dict:
+    i = attrs.find("backend_config=")
+    if i < 0:
+        return {}
+    start = i + len("backend_config=")
+    if attrs[start] != "{":
+        return {}
+    try:
+        return json.loads(attrs[start : _balanced(attrs, start)])
+    except ValueError:
+        return {}
+
+
+def _dtype_key(*dtypes: str) -> str:
+    return dtypes[0] if len(set(dtypes)) == 1 else "x".join(dtypes)
+
+
+def _dot_flops(lhs, result, contracting) -> int:
+    return 2 * math.prod(result[1]) * math.prod(lhs[1][d] for d in contracting)
+
+
+def _conv_flops(x, w, y, attrs: str) -> int:
+    """2 x MACs of the convolution x (*) w = y, from its dim_labels and window."""
+    labels = _attr(attrs, "dim_labels") or ""
+    m = re.match(r"(\w+)_(\w+)->(\w+)", labels)
+    window = re.search(r"size=([0-9x]+)", attrs)
+    if not m or not window:
+        return 0
+    x_labels = m.group(1)
+    groups = int(_attr(attrs, "feature_group_count") or 1)
+    in_features = x[1][x_labels.index("f")] // groups
+    k = math.prod(int(s) for s in window.group(1).split("x"))
+    dilation = re.search(r"lhs_dilate=([0-9x]+)", attrs)
+    dil = math.prod(int(s) for s in dilation.group(1).split("x")) if dilation else 1
+    return 2 * math.prod(y[1]) * k * in_features // dil
+
+
+def _shape_of(comp: dict, name: str):
+    instr = comp.get(name)
+    return instr.shapes[0] if instr and instr.shapes else ("f32", ())
+
+
+def _matmul_flops(comp: dict, instr: Instr, out: dict) -> None:
+    """Adds the FLOPs of a dot/convolution/cuBLAS/cuDNN instruction to out[kind][dtype]."""
+    ops = [_shape_of(comp, o) for o in instr.operands]
+    if instr.opcode == "dot":
+        lhs, rhs = ops[0], ops[1]
+        flops = _dot_flops(lhs, instr.shapes[0], _dims_attr(instr.attrs, "lhs_contracting_dims"))
+        key = _dtype_key(lhs[0], rhs[0])
+        out["gemm"][key] += flops
+        out["ngemm"][key] += 1
+    elif instr.opcode == "convolution":
+        key = _dtype_key(ops[0][0], ops[1][0])
+        out["conv"][key] += _conv_flops(ops[0], ops[1], instr.shapes[0], instr.attrs)
+        out["nconv"][key] += 1
+    elif instr.opcode == "custom-call":
+        target = _attr(instr.attrs, "custom_call_target") or ""
+        target = target.strip('"')
+        if target.startswith("__cublas"):
+            cfg = _backend_config(instr.attrs).get("gemm_backend_config", {})
+            dnums = cfg.get("dot_dimension_numbers", {})
+            contracting = [int(d) for d in dnums.get("lhs_contracting_dimensions", [])]
+            lhs, rhs = ops[0], ops[1]
+            key = _dtype_key(lhs[0], rhs[0])
+            out["gemm"][key] += _dot_flops(lhs, instr.shapes[0], contracting)
+            out["ngemm"][key] += 1
+        elif target.startswith("__cudnn$conv"):
+            result = instr.shapes[0]
+            if "BackwardInput" in target:
+                x, w, y = result, ops[1], ops[0]
+            elif "BackwardFilter" in target:
+                x, w, y = ops[0], result, ops[1]
+            else:
+                x, w, y = ops[0], ops[1], result
+            key = _dtype_key(x[0], w[0]) if "BackwardFilter" not in target else y[0]
+            out["conv"][key] += _conv_flops(x, w, y, instr.attrs)
+            out["nconv"][key] += 1
+
+
+def _kind(instr: Instr) -> str:
+    if instr.opcode == "fusion":
+        kind = _attr(instr.attrs, "kind") or ""
+        if kind == "kCustom":
+            cfg = _backend_config(instr.attrs).get("fusion_backend_config", {})
+            name = cfg.get("kind", "custom")
+            if "gemm" in name:
+                return "triton gemm"
+            if "cudnn" in name:
+                return "cudnn fusion"
+            if "triton" in name:
+                return "triton fusion"
+            return f"fusion {name}"
+        return {"kLoop": "loop fusion", "kInput": "input fusion", "kOutput": "output fusion"}.get(
+            kind, f"fusion {kind}"
+        )
+    if instr.opcode == "custom-call":
+        target = (_attr(instr.attrs, "custom_call_target") or "").strip('"')
+        if target.startswith("__cublas"):
+            return "cublas gemm"
+        if target.startswith("__cudnn$conv"):
+            return "cudnn conv"
+        if "triton" in target:
+            return "pallas/triton call"
+        return f"custom-call {target}"
+    return instr.opcode
+
+
+def _fused_costs(comps: dict, comp_name: str, acc: dict) -> None:
+    comp = comps.get(comp_name, {})
+    for instr in comp.values():
+        if instr.opcode == "convert":
+            acc["converts"] += 1
+        if instr.opcode in ("dot", "convolution", "custom-call"):
+            _matmul_flops(comp, instr, acc)
+        elif instr.opcode == "fusion":
+            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc)
+        elif instr.opcode == "reduce":
+            acc["other"] += sum(math.prod(_shape_of(comp, o)[1]) for o in instr.operands[:1])
+        elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
+            acc["other"] += math.prod(instr.shapes[0][1])
+        if instr.opcode not in _DATA_MOVEMENT:
+            acc["compute"] += 1
+
+
+def _new_acc() -> dict:
+    return {
+        "gemm": Counter(),
+        "conv": Counter(),
+        "ngemm": Counter(),
+        "nconv": Counter(),
+        "other": 0,
+        "converts": 0,
+        "compute": 0,
+    }
+
+
+def _kernel_time(acc: dict, nbytes: int) -> float:
+    compute = acc["other"] / PEAK_VECTOR
+    for counter in (acc["gemm"], acc["conv"]):
+        for key, flops in counter.items():
+            dtypes = key.split("x")
+            compute += flops / min(PEAK_FLOPS.get(d, PEAK_VECTOR) for d in dtypes)
+    return max(compute, nbytes / HBM_BYTES_PER_S)
+
+
+def _walk(comps: dict, comp_name: str, kernels: list, totals: dict) -> None:
+    comp = comps[comp_name]
+    for instr in comp.values():
+        if instr.opcode in _FREE:
+            continue
+        if instr.opcode in _CONTROL:
+            for key in (
+                "to_apply",
+                "body",
+                "condition",
+                "calls",
+                "true_computation",
+                "false_computation",
+            ):
+                target = _attr(instr.attrs, key)
+                if target and target.lstrip("%") in comps:
+                    _walk(comps, target.lstrip("%"), kernels, totals)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", instr.attrs)
+            for branch in re.findall(r"%([\w.\-]+)", branches.group(1) if branches else ""):
+                _walk(comps, branch, kernels, totals)
+            continue
+        acc = _new_acc()
+        if instr.opcode == "fusion":
+            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc)
+        else:
+            if instr.opcode == "convert":
+                acc["converts"] += 1
+            if instr.opcode in ("dot", "convolution", "custom-call"):
+                _matmul_flops(comp, instr, acc)
+            elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
+                acc["other"] += math.prod(instr.shapes[0][1])
+            if instr.opcode not in _DATA_MOVEMENT:
+                acc["compute"] += 1
+        operand_bytes = sum(
+            _nbytes(comp[o].shapes) for o in dict.fromkeys(instr.operands) if o in comp
+        )
+        nbytes = operand_bytes + _nbytes(instr.shapes)
+        for key in ("gemm", "conv", "ngemm", "nconv"):
+            totals[key].update(acc[key])
+        totals["converts"] += acc["converts"]
+        tensor = Counter(acc["gemm"]) + Counter(acc["conv"])
+        kernels.append(
+            Kernel(
+                instr.name,
+                _kind(instr),
+                nbytes,
+                dict(tensor),
+                dict(acc["gemm"]),
+                dict(acc["conv"]),
+                acc["other"],
+                _kernel_time(acc, nbytes),
+                acc["converts"] > 0 and acc["compute"] == 0,
+            )
+        )
+
+
+def analyze(hlo_text: str) -> HloReport:
+    """Kernels, FLOPs by dtype, converts, bytes and roofline time of an optimized HLO module.
+
+    Args:
+      hlo_text: `compiled.as_text()` of an XLA:GPU executable.
+
+    Returns:
+      An `HloReport`.
+
+    Example:
+      >>> analyze(jax.jit(f).trace(x).lower().compile().as_text()).roofline_s
+    """
+    comps, entry = parse_module(hlo_text)
+    kernels: list[Kernel] = []
+    totals = _new_acc()
+    _walk(comps, entry, kernels, totals)
+    return HloReport(
+        kernels=tuple(kernels),
+        kernels_by_kind=dict(Counter(k.kind for k in kernels)),
+        gemm_flops=dict(totals["gemm"]),
+        conv_flops=dict(totals["conv"]),
+        gemms_by_dtype=dict(totals["ngemm"]),
+        convs_by_dtype=dict(totals["nconv"]),
+        converts=totals["converts"],
+        convert_kernels=sum(k.only_converts for k in kernels),
+        bytes=sum(k.bytes for k in kernels),
+        roofline_s=sum(k.time_s for k in kernels),
+    )

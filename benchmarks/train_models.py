@@ -1,0 +1,220 @@
+"""The models of the GPU benchmarks: ResNet-50 (plain Flax and on `mpjax.nn.ConvBN`) and a
+GPT-2-like LM, each with a size table (`RESNET_SIZES`, `LM_SIZES`).
+
+`benchmarks/train_variants.py` builds the train steps of every precision variant from these;
+`benchmarks/gpu_cost_model.py` compiles them for an H100 without a device and
+`benchmarks/gpu.py` times them on a real GPU, so both measure the same programs.
+
+ResNet follows Flax's ImageNet example (ResNet v1.5, NHWC, BatchNorm momentum 0.9, last BN of
+each block zero-initialised); the LM is a pre-LayerNorm decoder (learned positions, GELU MLP,
+causal + padding attention mask, untied head). The classifier / LM head is the submodule
+named `head` (per-module policy rules select it by that path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import mpjax
+
+__all__ = ["LM", "LM_SIZES", "RESNET_SIZES", "ConvBNResNet", "ResNet"]
+
+RESNET_SIZES = {
+    # ResNet-50, ImageNet-shaped, batch 128.
+    "full": {"stages": (3, 4, 6, 3), "width": 64, "classes": 1000, "image": 224, "batch": 128},
+    # A two-stage ResNet at 64x64: compiles in seconds, same kinds of layers.
+    "quick": {"stages": (1, 1), "width": 16, "classes": 100, "image": 64, "batch": 16},
+    # Tiny, for a CPU smoke run of the GPU benchmark.
+    "smoke": {"stages": (1,), "width": 4, "classes": 10, "image": 16, "batch": 2},
+}
+LM_SIZES = {
+    # GPT-2 small: 12 layers, d 768, 12 heads, MLP 3072, seq 1024, batch 8.
+    "gpt2": {"layers": 12, "d": 768, "heads": 12, "mlp": 3072, "seq": 1024, "batch": 8},
+    # Where GEMMs dominate (issue 15's fp8 comparison).
+    "wide": {"layers": 4, "d": 4096, "heads": 32, "mlp": 16384, "seq": 2048, "batch": 4},
+    "quick": {"layers": 2, "d": 128, "heads": 4, "mlp": 512, "seq": 128, "batch": 4},
+    "smoke": {"layers": 1, "d": 32, "heads": 2, "mlp": 64, "seq": 16, "batch": 2},
+}
+VOCAB = {"full": 50304, "quick": 2048, "smoke": 64}
+
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck block (stride on the 3x3 convolution)."""
+
+    filters: int
+    strides: int = 1
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        conv = partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+        y = nn.relu(norm()(conv(self.filters, (1, 1))(x)))
+        y = nn.relu(norm()(conv(self.filters, (3, 3), strides=self.strides)(y)))
+        y = norm(scale_init=nn.initializers.zeros)(conv(4 * self.filters, (1, 1))(y))
+        if x.shape != y.shape:
+            x = norm()(conv(4 * self.filters, (1, 1), strides=self.strides)(x))
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    """ResNet with bottleneck blocks; `stages=(3, 4, 6, 3)`, `width=64` is ResNet-50."""
+
+    stages: Sequence[int]
+    num_classes: int
+    width: int = 64
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Conv(
+            self.width,
+            (7, 7),
+            strides=2,
+            padding=[(3, 3), (3, 3)],
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )(x)
+        x = nn.BatchNorm(
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )(x)
+        x = nn.max_pool(nn.relu(x), (3, 3), strides=(2, 2), padding="SAME")
+        for i, blocks in enumerate(self.stages):
+            for j in range(blocks):
+                x = Bottleneck(
+                    self.width * 2**i,
+                    strides=2 if i > 0 and j == 0 else 1,
+                    dtype=self.dtype,
+                    param_dtype=self.param_dtype,
+                )(x, train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(
+            self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head"
+        )(x)
+
+
+class ConvBNBottleneck(nn.Module):
+    """The bottleneck block on `mpjax.nn.ConvBN` (conv + BatchNorm + residual + ReLU fused)."""
+
+    filters: int
+    strides: int = 1
+    dtype: Any = jnp.float32
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        cbn = partial(
+            mpjax.nn.ConvBN,
+            use_running_average=not train,
+            momentum=0.9,
+            dtype=self.dtype,
+            impl=self.impl,
+        )
+        y = cbn(self.filters, (1, 1))(x)
+        y = cbn(self.filters, (3, 3), strides=self.strides)(y)
+        shortcut = x
+        if x.shape[-1] != 4 * self.filters or self.strides != 1:
+            shortcut = cbn(4 * self.filters, (1, 1), strides=self.strides, activation="none")(x)
+        return cbn(4 * self.filters, (1, 1), scale_init=nn.initializers.zeros)(y, residual=shortcut)
+
+
+class ConvBNResNet(nn.Module):
+    """`ResNet` with every Conv + BatchNorm (+ residual + ReLU) as one `mpjax.nn.ConvBN`."""
+
+    stages: Sequence[int]
+    num_classes: int
+    width: int = 64
+    dtype: Any = jnp.float32
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        x = mpjax.nn.ConvBN(
+            self.width,
+            (7, 7),
+            strides=2,
+            padding=[(3, 3), (3, 3)],
+            use_running_average=not train,
+            momentum=0.9,
+            dtype=self.dtype,
+            impl=self.impl,
+        )(x)
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for i, blocks in enumerate(self.stages):
+            for j in range(blocks):
+                x = ConvBNBottleneck(
+                    self.width * 2**i,
+                    strides=2 if i > 0 and j == 0 else 1,
+                    dtype=self.dtype,
+                    impl=self.impl,
+                )(x, train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-LN decoder block: LayerNorm, masked self-attention, LayerNorm, GELU MLP."""
+
+    heads: int
+    mlp: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        h = nn.LayerNorm(**kw)(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, **kw)(h, h, mask=mask)
+        x = x + h
+        h = nn.LayerNorm(**kw)(x)
+        h = nn.gelu(nn.Dense(self.mlp, **kw)(h))
+        return x + nn.Dense(x.shape[-1], **kw)(h)
+
+
+class LM(nn.Module):
+    """GPT-2-like decoder-only LM: token + learned position embeddings, blocks, LN, head."""
+
+    vocab: int
+    layers: int
+    d: int
+    heads: int
+    mlp: int
+    seq: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, padding: jax.Array) -> jax.Array:
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        x = nn.Embed(self.vocab, self.d, **kw)(tokens)
+        positions = self.param(
+            "positions", nn.initializers.normal(0.02), (self.seq, self.d), self.param_dtype
+        )
+        x = x + jnp.asarray(positions, self.dtype)[None, : tokens.shape[1]]
+        mask = nn.combine_masks(
+            nn.make_causal_mask(tokens), nn.make_attention_mask(padding, padding)
+        )
+        for _ in range(self.layers):
+            x = DecoderBlock(self.heads, self.mlp, **kw)(x, mask)
+        x = nn.LayerNorm(**kw)(x)
+        return nn.Dense(self.vocab, name="head", **kw)(x)
