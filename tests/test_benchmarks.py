@@ -202,9 +202,7 @@ def test_quick_suite_writes_step_overhead_table(tmp_path):
     # Every variant is timed with and without donation, each against bare optax in its mode.
     for donated in ("yes", "no"):
         rows = {
-            row[0]: dict(zip(cols, row, strict=True))
-            for row in result["rows"]
-            if row[1] == donated
+            row[0]: dict(zip(cols, row, strict=True)) for row in result["rows"] if row[1] == donated
         }
         names = list(rows)
         assert names[0] == "bare optax adam"
