@@ -223,7 +223,7 @@ def test_quick_suite_writes_step_overhead_table(tmp_path):
 
     md = (tmp_path / "RESULTS.md").read_text()
     assert result["title"] in md
-    assert "| variant | bytes accessed (MB) | bytes ratio |" in md
+    assert "| variant | donated | bytes accessed (MB) | bytes ratio |" in md
     assert f"| jax / jaxlib | {jax.__version__}" in md
     assert "| CPUs |" in md
     assert "quick mode" in md
