@@ -39,6 +39,7 @@ from benchmarks.train_models import LM_SIZES, RESNET_SIZES, VOCAB  # noqa: E402
 from benchmarks.train_variants import VARIANTS  # noqa: E402
 
 REQUIRES_GPU = False  # compiles for a GPU; runs without one
+TIMEOUT_SCALE = 4  # 16 compiles of full train steps: ~10 min on 2 cores (benchmarks/run.py)
 TARGET = Path(__file__).resolve().parent / "h100.txtpb"
 ENV_PYTHON = "MPJAX_GPU_AOT_PYTHON"
 ANCHOR = "bf16"

@@ -9,7 +9,8 @@ device count and memory do not leak into the next) and is reported as one of:
   the attribute is absent) and jax has none here, it needs an optional package that is
   not installed, or it raised `benchmarks.common.Skip`;
 - error: it raised, returned a malformed result or ran past its time limit (the exit
-  status is then 1).
+  status is then 1). A script may set a module-level literal `TIMEOUT_SCALE = k` to get k
+  times the limit (read from its source, not imported).
 
 Usage:
   python benchmarks/run.py            # every benchmark, full sizes
@@ -20,6 +21,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import importlib.util
 import json
@@ -133,6 +135,23 @@ def _child_body(name: str, bench_dir: Path, quick: bool) -> dict:
 
 
 # --- parent: one process per benchmark, then the reports ----------------------------------
+
+
+def timeout_scale(path: Path) -> float:
+    """The literal `TIMEOUT_SCALE = k` of a benchmark script, or 1."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return 1.0
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["TIMEOUT_SCALE"]
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, (int, float))
+        ):
+            return float(node.value.value)
+    return 1.0
 
 
 def run_one(name: str, bench_dir: Path, quick: bool, timeout: float) -> dict:
@@ -284,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for name in names:
         print(f"[run] {name} ...", flush=True)
-        record = run_one(name, bench_dir, args.quick, timeout)
+        scale = timeout_scale(bench_dir / f"{name}.py")
+        record = run_one(name, bench_dir, args.quick, timeout * scale)
         status, secs = record["status"], record.get("seconds", "?")
         reason = f": {record['reason']}" if record.get("reason") else ""
         print(f"[{status}] {name} ({secs} s){reason}", flush=True)
