@@ -169,7 +169,9 @@ def loss_scaled(
         loss scale) instead of training on silently. "auto" (default) is
         `default_max_consecutive_skips(loss_scale)`: the backoffs that take a dynamic
         scale from its top to `min_scale`, plus 25 steps at `min_scale` (49 for the
-        default `DynamicLossScale`; 25 for a static scale). None turns it off.
+        default `DynamicLossScale`; 25 for a static scale), raised on CPU only (on a GPU
+        the raise would cost a device-to-host sync every step; an int raises everywhere).
+        None turns it off.
       check_new_values: whether a step with finite gradients is also skipped when the new
         value of a param would overflow to inf. "auto" checks float16 params (max 65504,
         the one dtype a finite step overflows in practice); True checks every floating
@@ -260,9 +262,12 @@ def loss_scaled(
         # NoOpLossScale neither scales nor checks: the step is the inner step (no extra
         # bytes). Decided by the state's scale, which `with_loss_scale` may have replaced.
         checks = not isinstance(state.loss_scale, NoOpLossScale)
-        limit = max_consecutive_skips
+        limit, on_cpu_only = max_consecutive_skips, False
         if limit == "auto":
             limit = default_max_consecutive_skips(state.loss_scale) if checks else None
+            # The in-step raise needs a branch and a host callback; on GPU that is a
+            # device-to-host sync every step, so the default raises on CPU only.
+            on_cpu_only = True
         scale = state.loss_scale.loss_scale
         # The default check only reads the gradients; they are unscaled inside `take_step`.
         unscale_in_step = checks and lazy_unscale
@@ -383,7 +388,7 @@ def loss_scaled(
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
         if limit is not None:
-            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
+            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, limit, on_cpu_only)
         new_state = LossScaledState(
             inner_state=new_inner,
             master=new_master,
@@ -397,7 +402,18 @@ def loss_scaled(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
+def _raise_if_diverged(
+    consecutive: jax.Array, scale: jax.Array, limit: int, on_cpu_only: bool
+) -> None:
+    if on_cpu_only:
+        jax.lax.platform_dependent(
+            consecutive,
+            scale,
+            cpu=lambda n, s: _raise_if_diverged(n, s, limit, False),
+            default=lambda n, s: None,
+        )
+        return
+
     def fail(n, s):
         # Under vmap, lax.cond becomes a select and this runs on every step: check again.
         n, s = np.asarray(n), np.asarray(s)
