@@ -179,16 +179,20 @@ class DecoderBlock(nn.Module):
     mlp: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    dot_general_cls: Any = None  # the block GEMMs' dot_general (Flax fp8_ops anchors)
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        dot = self.dot_general_cls
+        attn_kw = {} if dot is None else {"qkv_dot_general_cls": dot, "out_dot_general_cls": dot}
+        dense_kw = {} if dot is None else {"dot_general_cls": dot}
         h = nn.LayerNorm(**kw)(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, **kw)(h, h, mask=mask)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, **kw, **attn_kw)(h, h, mask=mask)
         x = x + h
         h = nn.LayerNorm(**kw)(x)
-        h = nn.gelu(nn.Dense(self.mlp, **kw)(h))
-        return x + nn.Dense(x.shape[-1], **kw)(h)
+        h = nn.gelu(nn.Dense(self.mlp, **kw, **dense_kw)(h))
+        return x + nn.Dense(x.shape[-1], **kw, **dense_kw)(h)
 
 
 class LM(nn.Module):
@@ -202,6 +206,7 @@ class LM(nn.Module):
     seq: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    dot_general_cls: Any = None  # passed to every block's GEMMs (not the head)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, padding: jax.Array) -> jax.Array:
@@ -215,6 +220,8 @@ class LM(nn.Module):
             nn.make_causal_mask(tokens), nn.make_attention_mask(padding, padding)
         )
         for _ in range(self.layers):
-            x = DecoderBlock(self.heads, self.mlp, **kw)(x, mask)
+            x = DecoderBlock(self.heads, self.mlp, **kw, dot_general_cls=self.dot_general_cls)(
+                x, mask
+            )
         x = nn.LayerNorm(**kw)(x)
         return nn.Dense(self.vocab, name="head", **kw)(x)

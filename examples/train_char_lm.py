@@ -39,6 +39,7 @@ from examples.common import (
     RunResult,
     format_table,
     loss_scale_for,
+    max_consecutive_skips_for,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -51,6 +52,7 @@ from examples.common import (
 __all__ = [
     "CharLMConfig",
     "CharTransformer",
+    "FP8_RECIPE",
     "Corpus",
     "apply_precision",
     "load_corpus",
@@ -62,13 +64,20 @@ __all__ = [
 
 _LN2 = float(np.log(2.0))
 
+# "fp8": the bf16 policy plus fp8 GEMMs (tensorwise current scaling, e4m3 forward, e5m2
+# gradients). min_dim=16 so this small model's 64-wide GEMMs take part; the byte head
+# (the top-level Dense) stays in bf16, as LM heads usually do.
+FP8 = "fp8"
+FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
+
 
 @dataclasses.dataclass(frozen=True)
 class CharLMConfig:
     """Hyper-parameters of one character-LM run.
 
     Attributes:
-      precision: "fp32", "bf16", "fp16" (dynamic loss scaling) or "fp16-noscale".
+      precision: "fp32", "bf16", "fp16" (dynamic loss scaling), "fp16-noscale" or "fp8"
+        (bf16 plus fp8 GEMMs, `FP8_RECIPE`).
       steps: optimiser steps.
       batch_size: sequences per step.
       seq_len: tokens per sequence (also the model's maximum length).
@@ -96,9 +105,10 @@ class CharLMConfig:
     growth_interval: int = 100
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
+        if self.precision not in PRECISIONS and self.precision != FP8:
             raise ValueError(
-                f"CharLMConfig.precision={self.precision!r}; choose from {', '.join(PRECISIONS)}"
+                f"CharLMConfig.precision={self.precision!r}; choose from "
+                f"{', '.join([*PRECISIONS, FP8])}"
             )
         for name in (
             "steps",
@@ -200,16 +210,19 @@ class CharTransformer(nn.Module):
         return nn.Dense(self.vocab_size)(nn.LayerNorm()(x))
 
 
-def apply_precision(model: nn.Module, policy: mpjax.Policy) -> Callable:
+def apply_precision(
+    model: nn.Module, policy: mpjax.Policy, fp8: mpjax.Fp8Recipe | None = None
+) -> Callable:
     """Returns `model.apply` rewritten by `mpjax.autocast` to run under `policy`.
 
     Params are used in the dtype they are given in (float32 here; their gradients come
     back in it); matmuls take `policy.compute_dtype` operands and accumulate in float32;
     LayerNorm statistics, softmax and other reductions run in float32; the logits leave
     in `policy.output_dtype`. `mpjax.apply_policy(model, policy)` is the module-level
-    alternative (see `train_digits.py`).
+    alternative (see `train_digits.py`). With an `fp8` recipe, the block GEMMs run in fp8
+    (forward and backward; XLA:CPU emulates the fp8 arithmetic).
     """
-    return mpjax.autocast(model.apply, policy)
+    return mpjax.autocast(model.apply, policy, fp8=fp8)
 
 
 class TrainFns(NamedTuple):
@@ -236,17 +249,20 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
         num_heads=config.num_heads,
         max_len=config.seq_len,
     )
-    apply = apply_precision(model, policy_for(config.precision))
+    fp8 = config.precision == FP8
+    base = "bf16" if fp8 else config.precision
+    apply = apply_precision(model, policy_for(base), FP8_RECIPE if fp8 else None)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, max(1, config.steps // 10), config.steps
     )
     tx = mpjax.loss_scaled(
         optax.adamw(schedule, weight_decay=config.weight_decay),
         loss_scale_for(
-            config.precision,
+            base,
             initial_scale=config.initial_scale,
             growth_interval=config.growth_interval,
         ),
+        max_consecutive_skips=max_consecutive_skips_for(config.precision),
     )
 
     def loss(params, tokens):
@@ -389,6 +405,8 @@ def _parser() -> argparse.ArgumentParser:
         png="results/char_lm.png",
         batch_help="sequences per step",
     )
+    precisions = next(a for a in p._actions if a.dest == "precisions")
+    precisions.choices = [*precisions.choices, FP8]  # fp8: this example only
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--d-model", type=int, default=d.d_model, help="residual stream width")
     p.add_argument("--layers", type=int, default=d.num_layers, help="transformer blocks")

@@ -36,6 +36,7 @@ from examples.common import (
     RunResult,
     format_table,
     loss_scale_for,
+    max_consecutive_skips_for,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -203,7 +204,9 @@ def build_optimizer(config: DigitsConfig) -> optax.GradientTransformation:
         initial_scale=config.initial_scale,
         growth_interval=config.growth_interval,
     )
-    return mpjax.loss_scaled(inner, loss_scale)
+    return mpjax.loss_scaled(
+        inner, loss_scale, max_consecutive_skips=max_consecutive_skips_for(config.precision)
+    )
 
 
 class TrainFns(NamedTuple):
@@ -264,10 +267,10 @@ def make_train_fns(
             grads = grad_fault(step_index, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        m = mpjax.scaling_metrics(opt_state)
         # A skipped step leaves the BatchNorm statistics alone too (a NaN batch would
         # otherwise poison them for good).
-        batch_stats = mpjax.select_tree(m["grads_finite"], new_stats, batch_stats)
+        batch_stats = mpjax.keep_if_skipped(new_stats, batch_stats, opt_state)
+        m = mpjax.scaling_metrics(opt_state)
         metrics = {
             "loss": ce,
             "loss_scale": m["loss_scale"],

@@ -1,6 +1,7 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
-from mpjax import inference, nn, pallas, policy, scaling
+from mpjax import fp8, inference, nn, pallas, policy, scaling
+from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
     DEFAULTS,
@@ -11,7 +12,10 @@ from mpjax.policy import (
     Policy,
     apply_policy,
     autocast,
+    cast_to_full,
+    cast_to_half,
     get_policy,
+    half_dtype,
 )
 from mpjax.scaling import (
     DynamicLossScale,
@@ -21,13 +25,20 @@ from mpjax.scaling import (
     StaticLossScale,
     TrainingDivergedError,
     all_finite,
+    default_max_consecutive_skips,
     find_loss_scaled_state,
     get_loss_scale,
+    keep_if_skipped,
+    loss_scale_for,
+    loss_scale_from_flax,
     loss_scaled,
     nonfinite_report,
+    restore_if_skipped,
     scale_loss,
     scaling_metrics,
     select_tree,
+    snapshot_state,
+    with_loss_scale,
 )
 
 __version__ = "0.1.0"
@@ -39,6 +50,7 @@ __all__ = [
     "NO_DEFAULTS",
     "DynamicLossScale",
     "FoldReport",
+    "Fp8Recipe",
     "InferenceModel",
     "LossScale",
     "LossScaledState",
@@ -50,18 +62,30 @@ __all__ = [
     "all_finite",
     "apply_policy",
     "autocast",
+    "cast_to_full",
+    "cast_to_half",
+    "half_dtype",
     "convert_for_inference",
     "find_loss_scaled_state",
+    "fp8",
     "get_loss_scale",
     "get_policy",
     "inference",
+    "keep_if_skipped",
     "loss_scaled",
     "nn",
     "nonfinite_report",
     "pallas",
     "policy",
+    "restore_if_skipped",
+    "snapshot_state",
     "scale_loss",
     "scaling",
     "scaling_metrics",
     "select_tree",
+    # config-driven precision, Flax DynamicScale migration
+    "default_max_consecutive_skips",
+    "loss_scale_for",
+    "loss_scale_from_flax",
+    "with_loss_scale",
 ]

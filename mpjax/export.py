@@ -205,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input-shape", required=True, help="e.g. 1,8,8,1")
     parser.add_argument("--input-dtype", default="float32")
     parser.add_argument("--policy", default="compute=bfloat16")
+    parser.add_argument(
+        "--output-dtype", default="float32", help="of the outputs; 'policy': the policy's own"
+    )
     parser.add_argument("--platforms", default=None, help="e.g. cpu,cuda (default: this backend)")
     parser.add_argument("--apply-kwargs", default="{}", help="JSON, e.g. '{\"train\": false}'")
     parser.add_argument("--no-fold", action="store_true", help="do not fold BatchNorm")
@@ -226,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fold_batchnorm=not args.no_fold,
         apply_kwargs=json.loads(args.apply_kwargs),
         epilogue_impl=args.epilogue_impl,
+        output_dtype=None if args.output_dtype == "policy" else args.output_dtype,
     )
     platforms = args.platforms.split(",") if args.platforms else None
     blob = serialize_inference(

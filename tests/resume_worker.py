@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         )
         assert int(step) == args.start, (int(step), args.start)
         # the configuration comes back with the restore target, not the library defaults
-        restored = mpjax.get_loss_scale(opt_state)
+        restored = mpjax.find_loss_scaled_state(opt_state).loss_scale
         assert restored.config == mpjax.DynamicLossScale(**LOSS_SCALE_CONFIG).config
 
     train_step = make_step(tx)
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     for step in range(args.start, args.stop):
         x, y = batch(step, bad_steps)
         params, opt_state, key = train_step(params, opt_state, key, x, y)
-        scales.append(float(mpjax.get_loss_scale(opt_state).loss_scale))
+        scales.append(float(mpjax.get_loss_scale(opt_state)))
         if args.save_at is not None and step + 1 == args.save_at:
             save(Path(args.ckpt_dir), to_checkpoint(params, opt_state, key, step + 1))
             print(f"SAVED {step + 1}", flush=True)

@@ -124,7 +124,7 @@ def test_int_and_bool_params_untouched_and_keep_no_master(master_weights, finite
         chex.assert_trees_all_equal(new[leaf], params[leaf])
     assert bool(state.grads_finite) == finite
     # and the loss-scale helpers leave them as they are
-    scaled = mpjax.get_loss_scale(state).scale(params)
+    scaled = mpjax.find_loss_scaled_state(state).loss_scale.scale(params)
     chex.assert_trees_all_equal(
         {k: scaled[k] for k in ("n", "flag", "u8")}, {k: params[k] for k in ("n", "flag", "u8")}
     )

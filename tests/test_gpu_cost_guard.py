@@ -42,7 +42,6 @@ KNOWN_FAILING = {
     ("lm", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
     ("lm", "fp16-scaled", "roofline"): POLICY_FIX + " and gpu-scaling",
     ("lm", "fp16-scaled", "convert-kernels"): SCALING_FIX,
-    ("opt-step", "loss_scaled", "bytes"): SCALING_FIX,
 }
 MPJAX_PATHS = {
     "resnet": (
@@ -159,7 +158,6 @@ def _opt_rows(opt_step):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=KNOWN_FAILING[("opt-step", "loss_scaled", "bytes")])
 def test_loss_scaled_optimizer_step_bytes(opt_step):
     bare, scaled = _opt_rows(opt_step)
     for d in scaled:

@@ -404,7 +404,10 @@ def test_helpers_find_state_and_errors():
     assert scaled.dtype == jnp.float32 and float(scaled) == 1.5 * 2.0**15
     metrics = mpjax.scaling_metrics(state)
     assert set(metrics) >= {"loss_scale", "grads_finite", "skipped_steps"}
-    assert isinstance(mpjax.get_loss_scale(state), DynamicLossScale)
+    scale = mpjax.get_loss_scale(state)  # loggable: a float32 scalar array
+    assert isinstance(scale, jax.Array) and scale.shape == () and scale.dtype == jnp.float32
+    assert float(scale) == 2.0**15
+    assert isinstance(mpjax.find_loss_scaled_state(state).loss_scale, DynamicLossScale)
 
     plain = optax.adam(1e-3).init(params)
     for helper in (mpjax.get_loss_scale, mpjax.scaling_metrics):

@@ -13,7 +13,11 @@ rules of an `OpLists`:
 * `fp32` ops (exp, log, rsqrt, reductions, ...) run in float32;
 * every other op runs in the widest dtype of its floating inputs; scalar literals and values
   computed from literals alone adapt to their partner (like JAX's weak types);
-* integer and boolean values are never cast.
+* integer and boolean values are never cast;
+* constants (literals, captured arrays and values computed from them alone) saturate when
+  cast to a narrower dtype: `jnp.finfo(jnp.float32).min` becomes the most negative finite
+  bfloat16/float16, not -inf. Values computed from the inputs overflow to inf as IEEE casts
+  do (torch.autocast does the same), so an fp16 overflow stays visible to loss scaling.
 
 Higher-order primitives are rewritten recursively (see `_rules`). The function's floating
 outputs leave in the policy's `output_dtype`; its inputs are not cast (parameters stay in the
@@ -34,6 +38,8 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
+from mpjax.fp8.autocast_hook import check_autocast_recipe, fp8_lower
+from mpjax.fp8.recipe import Fp8Recipe
 from mpjax.policy.autocast_rules import (
     ARG,
     FLEX,
@@ -80,6 +86,7 @@ class _Ctx(NamedTuple):
     compute: np.dtype
     accum: np.dtype | None
     lists: OpLists
+    fp8: Fp8Recipe | None = None
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -96,6 +103,7 @@ def _eval_jaxpr(
     """
     env: dict[Any, tuple[Any, int]] = {}
     casts: dict[tuple[Any, np.dtype], Any] = {}  # a variable is cast to a dtype once
+    constant = set(jaxpr.constvars)  # variables computed from constants alone
 
     def read(atom):
         if isinstance(atom, Literal):
@@ -113,12 +121,14 @@ def _eval_jaxpr(
     for eqn in jaxpr.eqns:
         vals, flags = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
 
-        def cast_in(i, dtype, eqn=eqn, vals=vals):
+        def cast_in(i, dtype, eqn=eqn, vals=vals, flags=flags):
             atom, val = eqn.invars[i], vals[i]
+            # A constant saturates: it must not change value by more than rounding.
+            fixed = flags[i] == FLEX or isinstance(atom, Literal) or atom in constant
             if isinstance(atom, Literal) or dtype_of(val) == dtype:
-                return cast(val, dtype)
+                return cast(val, dtype, saturate=fixed)
             if (atom, dtype) not in casts:
-                casts[atom, dtype] = cast(val, dtype)
+                casts[atom, dtype] = cast(val, dtype, saturate=fixed)
             return casts[atom, dtype]
 
         # Re-bind under the equation's own name stack and traceback, so the emitted ops
@@ -135,6 +145,8 @@ def _eval_jaxpr(
                 outs, out_origins = _first_order(ctx, eqn, list(vals), list(flags), cast_in)
         for var, val, origin in zip(eqn.outvars, outs, out_origins, strict=True):
             write(var, val, origin)
+        if all(isinstance(a, Literal) or a in constant for a in eqn.invars):
+            constant.update(eqn.outvars)
     results = [read(v) for v in jaxpr.outvars]
     return [r[0] for r in results], [r[1] for r in results]
 
@@ -156,6 +168,9 @@ def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[li
     category = ctx.lists.category(name, params) if floats else None
 
     if category == "lower":
+        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals)
+        if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
+            return fp8_outs, [LOW] * len(fp8_outs)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
         outs = lower_precision_op(ctx, prim, params, vals)
         return outs, [LOW] * len(outs)
@@ -306,6 +321,7 @@ def autocast(
     *,
     op_lists: OpLists | None = None,
     accumulation_dtype: Any = jnp.float32,
+    fp8: Fp8Recipe | None = None,
 ) -> Callable:
     """Returns `fun` rewritten to run in mixed precision, like `torch.autocast`.
 
@@ -313,7 +329,9 @@ def autocast(
     traced to a jaxpr at each call and re-evaluated with casts: ops in
     `op_lists.lower_precision` take `policy.compute_dtype` operands and accumulate in
     `accumulation_dtype`; ops in `op_lists.fp32` run in float32; other ops run in the widest
-    dtype of their floating inputs; integers and booleans are never cast. It recurses into
+    dtype of their floating inputs; integers and booleans are never cast. A constant cast
+    to a narrower dtype saturates to its finite range (a `finfo(float32).min` mask stays
+    finite); a value computed from the arguments overflows to inf. It recurses into
     `jit`, `custom_jvp`, `scan`, `while`, `cond` and `checkpoint`; `custom_vjp` functions keep
     their own rules and traced dtypes. Array arguments (and their gradients) keep their dtype;
     other arguments (Python scalars, strings, flags) are static. Floating outputs are cast to
@@ -329,6 +347,9 @@ def autocast(
       op_lists: an `OpLists`; defaults to `OpLists()`.
       accumulation_dtype: `preferred_element_type` of lower-precision ops, or `None` to
         leave accumulation to the backend (the op then returns the compute dtype directly).
+      fp8: an `Fp8Recipe` (tensorwise or rowwise scaling) to run eligible `dot_general`s
+        as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`); the other
+        lower-precision ops keep the compute dtype.
 
     Returns:
       A function with `fun`'s signature.
@@ -344,7 +365,11 @@ def autocast(
     """
     if fun is None:
         return functools.partial(
-            autocast, policy=policy, op_lists=op_lists, accumulation_dtype=accumulation_dtype
+            autocast,
+            policy=policy,
+            op_lists=op_lists,
+            accumulation_dtype=accumulation_dtype,
+            fp8=fp8,
         )
     if not callable(fun):
         raise TypeError(f"autocast: fun must be callable, got {type(fun).__name__}")
@@ -363,7 +388,7 @@ def autocast(
         if accumulation_dtype is None
         else _as_float_dtype(accumulation_dtype, "autocast accumulation_dtype")
     )
-    ctx = _Ctx(pol.compute_dtype, accum, lists)
+    ctx = _Ctx(pol.compute_dtype, accum, lists, check_autocast_recipe(fp8))
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

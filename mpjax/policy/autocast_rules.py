@@ -45,15 +45,35 @@ def is_float(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, np.floating)
 
 
-def cast(x: Any, dtype: Any) -> Any:
-    """Casts a floating value to `dtype`; other values, and values already there, pass."""
+def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
+    """Casts a floating value to `dtype`; other values, and values already there, pass.
+
+    With `saturate`, a finite value beyond the range of `dtype` becomes the largest finite
+    value of `dtype` with its sign instead of an infinity (infinities and NaN stay as they
+    are), so the value changes by no more than rounding to the nearest finite value. Autocast
+    saturates constants (`jnp.finfo(jnp.float32).min` as an attention mask must not become
+    -inf in bfloat16 or float16); values computed from the inputs overflow to inf as IEEE
+    casts do, so an overflow stays visible to loss scaling.
+    """
     dtype = np.dtype(dtype)
     current = dtype_of(x)
     if current == dtype or not is_float(current) or not is_float(dtype):
         return x
+    saturate = saturate and jnp.finfo(dtype).max < jnp.finfo(current).max
     if isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x, dtype)
-    return lax.convert_element_type(x, dtype)
+        with np.errstate(over="ignore"):
+            y = np.asarray(x, dtype)
+        if not saturate:
+            return y
+        limit = np.asarray(jnp.finfo(dtype).max, dtype)
+        over = np.isinf(y) & np.isfinite(x)
+        return np.where(over, np.where(np.asarray(x) > 0, limit, -limit), y)
+    y = lax.convert_element_type(x, dtype)
+    if not saturate:
+        return y
+    limit = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    over = jnp.isinf(y) & jnp.isfinite(x)
+    return jnp.where(over, jnp.where(x > 0, limit, -limit), y)
 
 
 def widest(dtypes: Sequence[Any]) -> np.dtype:

@@ -9,7 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Policy", "get_policy", "cast_floating", "DTYPE_NAMES"]
+__all__ = [
+    "DTYPE_NAMES",
+    "KERAS_POLICY_NAMES",
+    "Policy",
+    "cast_floating",
+    "cast_to_full",
+    "cast_to_half",
+    "get_policy",
+    "half_dtype",
+]
 
 # Names accepted in a policy spec, mapped to canonical dtypes.
 DTYPE_NAMES: dict[str, Any] = {
@@ -23,6 +32,14 @@ DTYPE_NAMES: dict[str, Any] = {
     "f16": jnp.float16,
     "float64": jnp.float64,
     "f64": jnp.float64,
+}
+
+# Keras mixed-precision policy names, as Keras means them: variables (params) in the first
+# dtype, layers computing in the second, and (Keras layers return their compute dtype) outputs
+# in the compute dtype.
+KERAS_POLICY_NAMES: dict[str, tuple[Any, Any, Any]] = {
+    "mixed_bfloat16": (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+    "mixed_float16": (jnp.float32, jnp.float16, jnp.float16),
 }
 
 _KEYS = {
@@ -83,6 +100,56 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def half_dtype() -> np.dtype:
+    """The half-precision dtype of the default backend, as `jmp.half_dtype`: bfloat16 on TPU,
+    float16 elsewhere.
+
+    Note that in a policy spec the name `"half"` always means bfloat16 (jmp reads it as
+    `half_dtype()`); write `f"c={half_dtype().name}"` for jmp's meaning.
+
+    Returns:
+      `dtype(bfloat16)` when the first local device is a TPU, else `dtype(float16)`.
+
+    Example:
+      >>> half_dtype()  # on CPU or GPU
+      dtype('float16')
+    """
+    on_tpu = jax.local_devices()[0].platform == "tpu"
+    return jnp.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
+
+
+def cast_to_full(tree: Any) -> Any:
+    """Casts the floating array leaves of `tree` to float32, as `jmp.cast_to_full`.
+
+    Args:
+      tree: any pytree; non-floating leaves pass through.
+
+    Returns:
+      The same structure with float32 floating arrays.
+
+    Example:
+      >>> cast_to_full({"w": jnp.ones(2, jnp.bfloat16), "step": 3})["w"].dtype
+      dtype('float32')
+    """
+    return cast_floating(tree, jnp.float32)
+
+
+def cast_to_half(tree: Any) -> Any:
+    """Casts the floating array leaves of `tree` to `half_dtype()`, as `jmp.cast_to_half`.
+
+    Args:
+      tree: any pytree; non-floating leaves pass through.
+
+    Returns:
+      The same structure with floating arrays in `half_dtype()` (float16 off TPU).
+
+    Example:
+      >>> cast_to_half(jnp.ones(2)).dtype  # on CPU or GPU
+      dtype('float16')
+    """
+    return cast_floating(tree, half_dtype())
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A mixed-precision policy: the dtypes of parameters, computation and outputs.
@@ -126,6 +193,33 @@ class Policy:
         """Returns this policy with `output_dtype` set to `param_dtype`."""
         return dataclasses.replace(self, output_dtype=self.param_dtype)
 
+    def with_param_dtype(self, param_dtype: Any) -> Policy:
+        """Returns this policy with `param_dtype` replaced (a dtype or a name such as "f32").
+
+        Example:
+          >>> get_policy("c=bf16").with_param_dtype("bf16") == get_policy("bf16")
+          True
+        """
+        return dataclasses.replace(self, param_dtype=param_dtype)
+
+    def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+        """Returns this policy with `compute_dtype` replaced (a dtype or a name such as "bf16").
+
+        Example:
+          >>> str(get_policy("f32").with_compute_dtype("f16"))
+          'params=float32,compute=float16,output=float32'
+        """
+        return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """Returns this policy with `output_dtype` replaced, as jmp's `Policy.with_output_dtype`.
+
+        Example:
+          >>> str(get_policy("c=bf16").with_output_dtype(jnp.float32))
+          'params=float32,compute=bfloat16,output=float32'
+        """
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
     @property
     def is_mixed(self) -> bool:
         """Whether compute runs below the parameter precision."""
@@ -139,12 +233,18 @@ class Policy:
 
 
 def get_policy(spec: str | Policy) -> Policy:
-    """Parses a policy spec in jmp's grammar.
+    """Parses a policy spec in jmp's grammar, or a Keras policy name.
 
     `"params=float32,compute=bfloat16,output=float32"`; short keys `p=`, `c=`, `o=`;
     dtype names `float32/f32/full`, `bfloat16/bf16/half`, `float16/f16`,
     `float64/f64`; a bare name sets all three. Params default to float32, compute to
-    params, output to compute. `get_policy(str(p)) == p` for every policy.
+    params, output to compute. `get_policy(str(p)) == p` for every policy. Unlike jmp,
+    `half` is always bfloat16 (see `half_dtype`).
+
+    Keras's names mean what they mean in Keras: `"mixed_bfloat16"` and `"mixed_float16"`
+    are float32 params with bfloat16 / float16 compute and outputs (a Keras layer returns
+    its compute dtype; `apply_policy`'s defaults still give float32 logits); `"float32"`,
+    `"bfloat16"`, `"float16"` are one dtype for all three, as bare names already are.
 
     Args:
       spec: a spec string, or a `Policy` (returned as is).
@@ -176,7 +276,15 @@ def get_policy(spec: str | Policy) -> Policy:
             )
         return DTYPE_NAMES[key]
 
+    if text.lower() in KERAS_POLICY_NAMES:
+        return Policy(*KERAS_POLICY_NAMES[text.lower()])
     if "=" not in text:
+        if text.lower() not in DTYPE_NAMES:
+            raise ValueError(
+                f"unknown policy name {text!r}; use a dtype ({', '.join(sorted(DTYPE_NAMES))}), "
+                f"a Keras policy name ({', '.join(KERAS_POLICY_NAMES)}) or key=dtype entries, "
+                "e.g. 'params=float32,compute=bfloat16'"
+            )
         dtype = dtype_of(text, "the bare name")
         return Policy(dtype, dtype, dtype)
 

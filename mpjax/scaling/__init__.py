@@ -1,5 +1,7 @@
 """Loss scales and the `loss_scaled` optax wrapper."""
 
+# config-driven precision, dead-run threshold, Flax DynamicScale migration
+from mpjax.scaling.config import default_max_consecutive_skips, loss_scale_for
 from mpjax.scaling.diagnostics import NonfiniteReport, TrainingDivergedError, nonfinite_report
 from mpjax.scaling.loss_scale import (
     DynamicLossScale,
@@ -11,6 +13,13 @@ from mpjax.scaling.loss_scale import (
     unscale_tree,
 )
 from mpjax.scaling.loss_scaled import LossScaledState, loss_scaled, xla_unscale_and_check
+from mpjax.scaling.migrate import loss_scale_from_flax, with_loss_scale
+from mpjax.scaling.model_state import (
+    StateSnapshot,
+    keep_if_skipped,
+    restore_if_skipped,
+    snapshot_state,
+)
 from mpjax.scaling.state_helpers import (
     find_loss_scaled_state,
     get_loss_scale,
@@ -29,11 +38,20 @@ __all__ = [
     "all_finite",
     "find_loss_scaled_state",
     "get_loss_scale",
+    "keep_if_skipped",
     "loss_scaled",
     "nonfinite_report",
+    "restore_if_skipped",
+    "snapshot_state",
+    "StateSnapshot",
     "scale_loss",
     "scaling_metrics",
     "select_tree",
     "unscale_tree",
     "xla_unscale_and_check",
+    # config-driven precision, dead-run threshold, Flax DynamicScale migration
+    "default_max_consecutive_skips",
+    "loss_scale_for",
+    "loss_scale_from_flax",
+    "with_loss_scale",
 ]

@@ -52,7 +52,14 @@ def _check_param_dtypes(params: Any) -> None:
     """Refuses complex and exotic floating params, naming the leaf, rather than freezing them."""
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = getattr(p, "dtype", None)
-        if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        if dtype is None:
+            # A Python number or an object would be frozen silently (or crash later).
+            raise TypeError(
+                f"loss_scaled: param {jax.tree_util.keystr(path)} is a {type(p).__name__}, "
+                "not an array; give arrays (jnp.asarray), or None for leaves without "
+                "parameters (as eqx.filter(model, eqx.is_array) does)"
+            )
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
             continue
         if jnp.issubdtype(dtype, jnp.complexfloating) or (
             jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype) not in _SUPPORTED_FLOATS

@@ -16,6 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax.scaling.leaves import (  # noqa: F401 (_is_floating, _wide_dtype: used by others)
+    _check_flag,
+    _is_floating,
+    _map_floating,
+    _wide_dtype,
+    _widen_tree,
+)
+
 __all__ = [
     "LossScale",
     "NoOpLossScale",
@@ -25,18 +33,6 @@ __all__ = [
     "select_tree",
     "unscale_tree",
 ]
-
-
-def _is_floating(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return False
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _wide_dtype(dtype) -> np.dtype:
-    """float32 for half types, the dtype itself for float32/float64."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _check_positive_finite(name: str, value: Any) -> float:
@@ -98,26 +94,26 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
 
 
 def unscale_tree(tree: Any, loss_scale: jax.Array) -> Any:
-    """Divides every floating leaf by `loss_scale`, in at least float32; others pass through."""
+    """Divides every floating leaf (and Python number) by `loss_scale`, in at least float32.
+
+    Int and bool leaves pass through; complex and non-numeric leaves raise a TypeError
+    naming the leaf.
+    """
     loss_scale = jnp.asarray(loss_scale, jnp.float32)
 
     def unscale(g):
-        if not _is_floating(g):
-            return g
         wide = _wide_dtype(g.dtype)
         return g.astype(wide) / loss_scale.astype(wide)
 
-    return jax.tree.map(unscale, tree)
+    return _map_floating(unscale, tree, "unscale")
 
 
 def _scale_tree(tree: Any, loss_scale: jax.Array) -> Any:
     def scale(x):
-        if not _is_floating(x):
-            return x
         wide = _wide_dtype(x.dtype)
         return x.astype(wide) * loss_scale.astype(wide)
 
-    return jax.tree.map(scale, tree)
+    return _map_floating(scale, tree, "scale")
 
 
 class LossScale:
@@ -126,7 +122,11 @@ class LossScale:
     loss_scale: jax.Array
 
     def scale(self, tree: Any) -> Any:
-        """Multiplies the floating leaves of `tree` by the scale, in (at least) float32."""
+        """Multiplies the floating leaves of `tree` by the scale, in (at least) float32.
+
+        Python numbers (and numbers in lists, tuples, dicts) are scaled too, as float32
+        arrays; int and bool arrays pass through; complex or non-numeric leaves raise.
+        """
         return _scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: Any) -> Any:
@@ -134,8 +134,8 @@ class LossScale:
         return unscale_tree(tree, self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> LossScale:
-        """Returns the loss scale for the next step."""
-        del grads_finite
+        """Returns the loss scale for the next step (`grads_finite`: a scalar bool)."""
+        _check_flag(grads_finite)
         return self
 
 
@@ -146,6 +146,10 @@ def _scalar(value: Any, dtype) -> jax.Array:
 @jax.tree_util.register_pytree_with_keys_class
 class NoOpLossScale(LossScale):
     """A loss scale that does not scale: `scale`/`unscale` only widen to float32.
+
+    In `loss_scaled` it also turns the finite check off: the step is the inner step
+    (for fp32 and bf16 training, whose range is float32's). `StaticLossScale(1.0)`
+    scales by nothing and still skips non-finite steps.
 
     Example:
       >>> NoOpLossScale().scale(jnp.float16(3.0)).dtype
@@ -162,6 +166,14 @@ class NoOpLossScale(LossScale):
     def tree_unflatten(cls, aux, children):
         del aux, children
         return cls()
+
+    def scale(self, tree: Any) -> Any:
+        """Widens the floating leaves of `tree` to (at least) float32; scales by nothing."""
+        return _widen_tree(tree, "scale")
+
+    def unscale(self, tree: Any) -> Any:
+        """Widens the floating leaves of `tree` to (at least) float32; divides by nothing."""
+        return _widen_tree(tree, "unscale")
 
     def __repr__(self):
         return "NoOpLossScale()"
@@ -327,7 +339,7 @@ class DynamicLossScale(LossScale):
         Returns:
           A new `DynamicLossScale` with the same configuration.
         """
-        grads_finite = jnp.asarray(grads_finite)
+        grads_finite = _check_flag(grads_finite)
         scale = self.loss_scale.astype(jnp.float32)
         counter = self.counter.astype(jnp.int32)
         min_scale = jnp.float32(self.min_scale)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -10,18 +9,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpjax.pallas.dispatch import IMPLS
+from mpjax.pallas.unscale import all_finite_unscaled, xla_unscale_and_check
 from mpjax.scaling.checks import (
     _check_loss_scale,
     _check_param_dtypes,
     _check_same_structure,
 )
+from mpjax.scaling.config import default_max_consecutive_skips
 from mpjax.scaling.diagnostics import TrainingDivergedError
 from mpjax.scaling.loss_scale import (
     LossScale,
+    NoOpLossScale,
     _is_floating,
     _wide_dtype,
     all_finite,
     select_tree,
+    unscale_tree,
 )
 
 __all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
@@ -50,6 +54,21 @@ class LossScaledState(NamedTuple):
     grads_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+
+
+class _Candidate:
+    """One floating param's step and new value (deliberately not a pytree: one leaf)."""
+
+    floating = True
+
+    def __init__(self, step: jax.Array, value: jax.Array):
+        self.step, self.value = step, value
+
+
+class _NotFloating:
+    """The candidate of an int/bool param, which is never updated."""
+
+    floating = False
 
 
 def _keeps_master(p: Any, master_weights: bool | str) -> bool:
@@ -84,22 +103,6 @@ def _view(params: Any, master: Any) -> Any:
     return jax.tree.map(view, params, master)
 
 
-def xla_unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
-    """Unscales `grads` to float32 and checks them for inf/NaN, with plain XLA ops.
-
-    Args:
-      grads: a pytree of (scaled) gradients.
-      loss_scale: the scalar loss scale.
-
-    Returns:
-      `(unscaled, all_finite)`.
-    """
-    from mpjax.scaling.loss_scale import unscale_tree
-
-    unscaled = unscale_tree(grads, loss_scale)
-    return unscaled, all_finite(unscaled)
-
-
 def loss_scaled(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
@@ -107,7 +110,7 @@ def loss_scaled(
     master_weights: bool | str = "auto",
     axis_name: str | tuple[str, ...] | None = None,
     unscale_and_check: Any = None,
-    max_consecutive_skips: int | None = None,
+    max_consecutive_skips: int | str | None = "auto",
     check_new_values: bool | str = "auto",
     skip_impl: str = "auto",
     impl: str = "auto",
@@ -122,8 +125,17 @@ def loss_scaled(
     master cast to each param's dtype. On a non-finite step the updates are zero and the
     inner state and master are left bit-identical. The loss scale is adjusted either way.
 
-    Non-floating leaves of the params (ints, bools) are not shown to `inner`; their
-    updates are zeros of their own dtype, so they pass through untouched.
+    With `NoOpLossScale()` nothing is scaled, checked or skipped (except a float16 param
+    that would overflow, see `check_new_values`): for float32 params the compiled step is
+    `inner`'s own, and `scale_loss`/`scaling_metrics` still work, so one train step
+    serves fp32, bf16 and fp16 (`loss_scaled(inner, loss_scale_for(precision))`). Use
+    `StaticLossScale(1.0)` to skip non-finite steps without scaling.
+
+    Params may be any pytree optax accepts: dicts, lists, tuples, NamedTuples, custom
+    nodes, and `None` leaves (e.g. an Equinox model filtered with `eqx.is_array`), which
+    stay `None` in the updates. Non-floating leaves of the params (ints, bools) are not
+    shown to `inner`; their updates are zeros of their own dtype, so they pass through
+    untouched.
 
     `loss_scaled` must be the last transformation of a chain: the master weights follow
     its own step, so a transformation after it that changes the updates would make the
@@ -139,20 +151,27 @@ def loss_scaled(
 
     Args:
       inner: the optax transformation to run on unscaled float32 gradients.
-      loss_scale: a `LossScale`; None means `DynamicLossScale()`.
+      loss_scale: a `LossScale`; None means `DynamicLossScale()`; `NoOpLossScale()` runs
+        `inner` with no check (see above).
       master_weights: "auto" keeps a float32 master copy of each floating param stored
         below float32; True keeps one for every floating param; False keeps none (low
         precision params are then widened to float32 for each update and rounded back).
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
-        replacing the built-in one; None uses `mpjax.pallas.unscale_and_check` with `impl`.
-      max_consecutive_skips: if set, the step that would be the N-th non-finite step in
-        a row raises `TrainingDivergedError` from inside the compiled step (it reaches
-        Python as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error
-        and the loss scale) instead of training on silently. Off by default: a
-        persistently non-finite model then keeps skipping with the scale at
-        `min_scale`, visible in `scaling_metrics`.
+        replacing the built-in check; None (the default) checks with
+        `mpjax.pallas.all_finite_unscaled` (which only reads the gradients) and divides by
+        the loss scale inside the inner update, where XLA fuses the multiply (and any
+        convert) into the optimizer's own elementwise kernels.
+      max_consecutive_skips: the step that would be the N-th non-finite step in a row
+        raises `TrainingDivergedError` from inside the compiled step (it reaches Python
+        as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error and the
+        loss scale) instead of training on silently. "auto" (default) is
+        `default_max_consecutive_skips(loss_scale)`: the backoffs that take a dynamic
+        scale from its top to `min_scale`, plus 25 steps at `min_scale` (49 for the
+        default `DynamicLossScale`; 25 for a static scale), raised on CPU only (on a GPU
+        the raise would cost a device-to-host sync every step; an int raises everywhere).
+        None turns it off.
       check_new_values: whether a step with finite gradients is also skipped when the new
         value of a param would overflow to inf. "auto" checks float16 params (max 65504,
         the one dtype a finite step overflows in practice); True checks every floating
@@ -163,9 +182,9 @@ def loss_scaled(
         under `lax.cond` (on XLA:CPU, selecting over donated buffers costs a copy of the
         optimizer state per step); "auto" uses "cond" on CPU and "select" elsewhere.
         The results are the same.
-      impl: the unscale + finite check: "auto" (the multi-tensor Pallas kernel on CUDA
-        GPUs — one launch per 128 leaves instead of a reduction per leaf — plain XLA
-        elsewhere), "pallas", "interpret" or "xla".
+      impl: the finite check: "auto" (the multi-tensor Pallas kernel on CUDA GPUs — one
+        launch per 128 leaves, reading each gradient once in its own dtype, instead of a
+        reduction per leaf — plain XLA elsewhere), "pallas", "interpret" or "xla".
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -198,26 +217,19 @@ def loss_scaled(
             f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
         )
     loss_scale = _check_loss_scale(loss_scale)
-    if max_consecutive_skips is not None and (
+    if max_consecutive_skips not in ("auto", None) and (
         isinstance(max_consecutive_skips, bool)
         or not isinstance(max_consecutive_skips, int)
         or max_consecutive_skips < 1
     ):
         raise ValueError(
-            f"loss_scaled: max_consecutive_skips must be an int >= 1 or None, "
+            f"loss_scaled: max_consecutive_skips must be an int >= 1, 'auto' or None, "
             f"got {max_consecutive_skips!r}"
         )
     inner = optax.with_extra_args_support(inner)
-    if unscale_and_check is None:
-        # Imported here: the kernels build on this module's XLA reference.
-        from mpjax.pallas.dispatch import IMPLS
-        from mpjax.pallas.unscale import unscale_and_check as kernel
-
-        if impl not in IMPLS:
-            raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
-        check = functools.partial(kernel, impl=impl)
-    else:
-        check = unscale_and_check
+    if unscale_and_check is None and impl not in IMPLS:
+        raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
+    lazy_unscale = unscale_and_check is None
 
     def init_fn(params):
         _check_param_dtypes(params)
@@ -247,28 +259,44 @@ def loss_scaled(
             )
         _check_same_structure(grads, params)
 
-        unscaled, grads_finite = check(grads, state.loss_scale.loss_scale)
+        # NoOpLossScale neither scales nor checks: the step is the inner step (no extra
+        # bytes). Decided by the state's scale, which `with_loss_scale` may have replaced.
+        checks = not isinstance(state.loss_scale, NoOpLossScale)
+        limit, on_cpu_only = max_consecutive_skips, False
+        if limit == "auto":
+            limit = default_max_consecutive_skips(state.loss_scale) if checks else None
+            # The in-step raise needs a branch and a host callback; on GPU that is a
+            # device-to-host sync every step, so the default raises on CPU only.
+            on_cpu_only = True
+        scale = state.loss_scale.loss_scale
+        # The default check only reads the gradients; they are unscaled inside `take_step`.
+        unscale_in_step = checks and lazy_unscale
+        if not checks:
+            step_in, grads_finite = grads, jnp.array(True)
+        elif lazy_unscale:
+            step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=impl)
+        else:
+            step_in, grads_finite = unscale_and_check(grads, scale)
         grads_finite = jnp.asarray(grads_finite, jnp.bool_)
-        if axis_name is not None:
+        if checks and axis_name is not None:
             grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
         is_masked = lambda x: isinstance(x, _MASKED)  # noqa: E731
-        is_cand = lambda x: x is None or isinstance(x, tuple)  # noqa: E731
 
         def candidate(p, m, v, u):
             """(step in the wide dtype, new wide value) of one floating leaf."""
             if not _is_floating(p):
-                return None
+                return _NotFloating()
             u = u.astype(v.dtype)
             if p.dtype == v.dtype and not is_masked(m):
                 # A float32 param with a float32 master: define the new master as the sum
                 # the caller will form, p + d. That add has no multiply beside it, so XLA
                 # cannot contract one side into an FMA and not the other.
                 d = (v + u) - p
-                return d, p + d
-            return u, v + u
+                return _Candidate(d, p + d)
+            return _Candidate(u, v + u)
 
         def param_step(p, c, target):
-            u, _ = c
+            u = c.step
             if p.dtype == u.dtype:
                 return u  # p + u is the new value itself
             wide = u.dtype
@@ -277,8 +305,11 @@ def loss_scaled(
             same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
             return jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
 
-        def take_step(unscaled):
+        def take_step(step_in):
             """The step on finite gradients: (updates, inner state, master, values finite)."""
+            # Unscaled here, so the multiply fuses into the inner update's kernels instead of
+            # writing an unscaled copy of every gradient.
+            unscaled = unscale_tree(step_in, scale) if unscale_in_step else step_in
             view = _view(params, state.master)
             inner_grads = jax.tree.map(
                 lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
@@ -286,14 +317,11 @@ def loss_scaled(
             inner_updates, new_inner = inner.update(
                 inner_grads, state.inner_state, view, **extra_args
             )
-            cands = jax.tree.map(
-                candidate, params, state.master, view, inner_updates, is_leaf=is_masked
-            )
+            # Mapped over the params' structure (None leaves, tuples and NamedTuples stay
+            # nodes); a candidate is one opaque leaf per param.
+            cands = jax.tree.map(candidate, params, state.master, view, inner_updates)
             targets = jax.tree.map(
-                lambda p, c: None if c is None else c[1].astype(p.dtype),
-                params,
-                cands,
-                is_leaf=is_cand,
+                lambda p, c: c.value.astype(p.dtype) if c.floating else None, params, cands
             )
             # A step with finite gradients can still overflow a param near the top of its
             # range: it is then skipped too.
@@ -304,28 +332,27 @@ def loss_scaled(
             if checked and axis_name is not None:
                 ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
             new_master = jax.tree.map(
-                lambda m, c: m if is_masked(m) else jnp.where(ok, c[1], m),
+                lambda p, m, c: m if is_masked(m) else jnp.where(ok, c.value, m),
+                params,
                 state.master,
                 cands,
-                is_leaf=is_masked,
             )
             updates = jax.tree.map(
                 lambda p, c, t: (
-                    jnp.zeros_like(p)
-                    if c is None
-                    else jnp.where(ok, param_step(p, c, t), jnp.array(-0.0, c[0].dtype))
+                    jnp.where(ok, param_step(p, c, t), jnp.array(-0.0, c.step.dtype))
+                    if c.floating
+                    else jnp.zeros_like(p)
                 ),
                 params,
                 cands,
                 targets,
-                is_leaf=is_cand,
             )
             if checked:
                 new_inner = select_tree(ok, new_inner, state.inner_state)
             return updates, new_inner, new_master, ok
 
-        def skip_step(unscaled):
-            del unscaled
+        def skip_step(step_in):
+            del step_in
             updates = jax.tree.map(
                 lambda p: (
                     jnp.full(p.shape, -0.0, _wide_dtype(p.dtype))
@@ -336,25 +363,32 @@ def loss_scaled(
             )
             return updates, state.inner_state, state.master, jnp.array(False)
 
-        def by_cond(unscaled):
-            return jax.lax.cond(grads_finite, take_step, skip_step, unscaled)
+        def by_cond(step_in):
+            return jax.lax.cond(grads_finite, take_step, skip_step, step_in)
 
-        def by_select(unscaled):
-            return select_tree(grads_finite, take_step(unscaled), skip_step(unscaled))
+        def by_select(step_in):
+            return select_tree(grads_finite, take_step(step_in), skip_step(step_in))
 
-        if skip_impl == "cond":
-            updates, new_inner, new_master, ok = by_cond(unscaled)
+        if not checks:  # nothing to skip on (a float16 overflow check may still skip)
+            updates, new_inner, new_master, ok = take_step(step_in)
+            floating = [p for p in jax.tree.leaves(params) if _is_floating(p)]
+            if not any(_checks_new_value(p, check_new_values) for p in floating):
+                # Nothing can skip: the counters are forwarded, not recomputed, so the
+                # step is exactly the inner step.
+                return updates, state._replace(inner_state=new_inner, master=new_master)
+        elif skip_impl == "cond":
+            updates, new_inner, new_master, ok = by_cond(step_in)
         elif skip_impl == "select":
-            updates, new_inner, new_master, ok = by_select(unscaled)
+            updates, new_inner, new_master, ok = by_select(step_in)
         else:
             updates, new_inner, new_master, ok = jax.lax.platform_dependent(
-                unscaled, cpu=by_cond, default=by_select
+                step_in, cpu=by_cond, default=by_select
             )
         finite = jnp.logical_and(grads_finite, ok)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
-        if max_consecutive_skips is not None:
-            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, max_consecutive_skips)
+        if limit is not None:
+            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, limit, on_cpu_only)
         new_state = LossScaledState(
             inner_state=new_inner,
             master=new_master,
@@ -368,7 +402,18 @@ def loss_scaled(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
+def _raise_if_diverged(
+    consecutive: jax.Array, scale: jax.Array, limit: int, on_cpu_only: bool
+) -> None:
+    if on_cpu_only:
+        jax.lax.platform_dependent(
+            consecutive,
+            scale,
+            cpu=lambda n, s: _raise_if_diverged(n, s, limit, False),
+            default=lambda n, s: None,
+        )
+        return
+
     def fail(n, s):
         # Under vmap, lax.cond becomes a select and this runs on every step: check again.
         n, s = np.asarray(n), np.asarray(s)

@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 
-from mpjax.scaling.loss_scale import LossScale
 from mpjax.scaling.loss_scaled import LossScaledState
 
 __all__ = ["find_loss_scaled_state", "get_loss_scale", "scale_loss", "scaling_metrics"]
@@ -50,18 +49,29 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
     return jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
 
 
-def get_loss_scale(opt_state: Any) -> LossScale:
-    """Returns the current `LossScale` held anywhere in `opt_state`."""
-    return find_loss_scaled_state(opt_state).loss_scale
+def get_loss_scale(opt_state: Any) -> jax.Array:
+    """Returns the current loss scale held anywhere in `opt_state`, a float32 scalar array.
+
+    Ready to log (`float(get_loss_scale(opt_state))`); the `LossScale` object itself (to
+    call `.scale`/`.unscale`, or read a dynamic scale's counter) is
+    `find_loss_scaled_state(opt_state).loss_scale`.
+
+    Example:
+      >>> float(get_loss_scale(loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
+      32768.0
+    """
+    return find_loss_scaled_state(opt_state).loss_scale.loss_scale
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     """Multiplies `loss` by the current loss scale of `opt_state`, in float32.
 
+    A Python number is scaled too (as a float32 array).
+
     Example:
       >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p), opt_state))(params)
     """
-    return get_loss_scale(opt_state).scale(loss)
+    return find_loss_scaled_state(opt_state).loss_scale.scale(loss)
 
 
 def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:

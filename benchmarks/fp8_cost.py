@@ -1,0 +1,186 @@
+"""fp8 on the GPU cost model: LM train steps with fp8 GEMMs, compiled for H100 (deviceless).
+
+Variants of the LM of `benchmarks/train_models.py` (`--width gpt2|wide`), each against the
+hand-written Flax bf16 step (`bf16`), all with DEFAULT compile options:
+
+- `fp8-tensorwise` / `fp8-rowwise`: `mpjax.autocast(model.apply, ONE_STRING,
+  fp8=Fp8Recipe(scaling=..., exclude=("*/head",)))` (the LM head stays bf16, as usual);
+- `flax-fp8`: Flax `fp8_ops.Fp8DotGeneralOp` (delayed scaling, quantise-dequantise form) in
+  every block GEMM; `flax-fp8-direct`: `Fp8DirectDotGeneralOp` (fp8 operands into the dot).
+  Their `_overwrite_with_gradient` variables are replaced by their gradients each step.
+
+Reported per variant: roofline and its ratio to bf16, temp memory, the GEMM FLOPs by operand
+dtype, and the share of the block GEMMs' FLOPs (QKV, attention output, MLP up/down;
+forward and both backward, counted analytically) that run with fp8 operands.
+
+    JAX_PLATFORMS=cpu <gpu-aot python> benchmarks/fp8_cost.py [--width gpt2|wide|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from types import MappingProxyType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax.linen import fp8_ops  # noqa: E402
+
+import mpjax  # noqa: E402
+from benchmarks import gpu_cost_model as gcm  # noqa: E402
+from benchmarks.common import format_text  # noqa: E402
+from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, _lm, lm_program  # noqa: E402
+
+REQUIRES_GPU = False
+OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+def _autocast_fp8(scaling):
+    def build(cfg):
+        model = _lm(cfg)
+        recipe = mpjax.Fp8Recipe(scaling=scaling, exclude=("*/head",))
+        return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), model)
+
+    return build
+
+
+def _overwrite() -> optax.GradientTransformation:
+    """Updates that make `param + update` the gradient (Flax's overwrite-with-gradient)."""
+
+    def update(grads, state, params):
+        return jax.tree.map(lambda g, p: g - p, grads, params), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+class _Nested:
+    """`init` returning {"params": {"params": ..., OWG: ...}}, as `lm_program` expects."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def init(self, key, *args):
+        return {"params": dict(self.model.init(key, *args))}
+
+
+def _flax_fp8(dot_cls):
+    def build(cfg):
+        model = _lm(cfg, dtype=jnp.bfloat16, dot_general_cls=dot_cls)
+        adamw = optax.adamw(3e-4, b2=0.95, weight_decay=0.1)
+        tx = optax.multi_transform(
+            {"adamw": adamw, "owg": _overwrite()},
+            lambda tree: {
+                k: jax.tree.map(lambda _, k=k: "owg" if k == OWG else "adamw", v)
+                for k, v in tree.items()
+            },
+        )
+        return lm_program(cfg, lambda v, *a: model.apply(v["params"], *a), _Nested(model), tx=tx)
+
+    return build
+
+
+FP8_VARIANTS = MappingProxyType(
+    {
+        "bf16": LM_VARIANTS["bf16"],
+        "fp8-tensorwise": _autocast_fp8("tensorwise"),
+        "fp8-rowwise": _autocast_fp8("rowwise"),
+        "flax-fp8": _flax_fp8(fp8_ops.Fp8DotGeneralOp),
+        "flax-fp8-direct": _flax_fp8(fp8_ops.Fp8DirectDotGeneralOp),
+    }
+)
+
+
+def block_gemm_flops(cfg: dict) -> float:
+    """FLOPs of the block GEMMs (QKV, out, MLP up/down), forward + both backward."""
+    tokens, d = cfg["batch"] * cfg["seq"], cfg["d"]
+    per_layer = d * 3 * d + d * d + 2 * d * cfg["mlp"]
+    return 3 * 2 * tokens * cfg["layers"] * per_layer
+
+
+def fp8_rows(records: list[dict]) -> list[list]:
+    """Table rows: each record against the bf16 record of its width."""
+    anchors = {r["width"]: r for r in records if r["variant"] == "bf16"}
+    rows = []
+    for r in records:
+        fp8 = sum(v for k, v in r["gemm_flops"].items() if "f8" in k)
+        anchor = anchors.get(r["width"])
+        rows.append(
+            [
+                r["width"],
+                r["variant"],
+                round(r["roofline_s"] * 1e3, 3),
+                round(r["roofline_s"] / anchor["roofline_s"], 3) if anchor else "-",
+                round(r["temp_bytes"] / gcm.GIB, 3),
+                round(fp8 / 1e12, 3),
+                f"{100 * fp8 / block_gemm_flops(r['config']):.1f} %",
+                gcm._tflop(r["gemm_flops"]),
+                r["kernels"],
+            ]
+        )
+    return rows
+
+
+def measure(widths, variants, quick: bool) -> dict:
+    """The benchmark result for LM `widths` ("gpt2", "wide") and `variants`."""
+    registry = {"lm": FP8_VARIANTS}
+    records = []
+    for width in ("quick",) if quick else widths:
+        for r in gcm.measure_all(("lm",), variants, quick, width, registry):
+            records.append({**r, "width": width})
+    return {
+        "title": "fp8 LM train step, H100 compile (deviceless), default flags, vs Flax bf16",
+        "columns": [
+            "width",
+            "variant",
+            "roofline ms",
+            "vs bf16",
+            "temp GiB",
+            "fp8 GEMM TFLOP",
+            "block GEMMs in fp8",
+            "GEMM TFLOP by dtype",
+            "kernels",
+        ],
+        "rows": fp8_rows(records),
+        "notes": f"jax {jax.__version__}; configs "
+        + "; ".join(f"{r['width']}: {json.dumps(r['config'])}" for r in records[:: len(variants)])
+        + ". Roofline and FLOP accounting of benchmarks/gpu_cost_model.py; block GEMM FLOPs "
+        "counted analytically (3 GEMMs x 2 x tokens x layers x (4 d^2 + 2 d mlp)).",
+        "details": records,
+    }
+
+
+def run(quick: bool = False) -> dict:
+    """Both LM widths, every fp8 variant (the `benchmarks/run.py` entry)."""
+    if not gcm.plugin_available():
+        return gcm.delegate_to_gpu_aot(Path(__file__), quick)
+    return measure(("gpt2", "wide"), list(FP8_VARIANTS), quick)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--width", default="all", choices=("gpt2", "wide", "all"), help="LM size")
+    parser.add_argument("--variants", default="", help="comma-separated variant names")
+    parser.add_argument("--json", default=None, help="write the full figures to this file")
+    args = parser.parse_args(argv)
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()] or list(FP8_VARIANTS)
+    unknown = sorted(set(wanted) - set(FP8_VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known {sorted(FP8_VARIANTS)}")
+    widths = ("gpt2", "wide") if args.width == "all" else (args.width,)
+    result = measure(widths, wanted, args.quick)
+    print(format_text(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""`Fp8Recipe`: how mpjax runs GEMMs in float8 (scaling mode, formats, history, exclusions)."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["FP8_DTYPES", "Fp8Recipe", "Fp8Site"]
+
+# The two OCP float8 formats Hopper tensor cores multiply (e4m3fn: max 448; e5m2: max 57344).
+FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+_SCALINGS = ("tensorwise", "rowwise", "delayed")
+_AMAX_COMPUTE = ("max", "most_recent")
+
+
+class Fp8Site(NamedTuple):
+    """A GEMM that fp8 may take, as given to `Fp8Recipe.exclude_if`.
+
+    Attributes:
+      name: the name stack of the op (a Flax module path such as `"Model/head"`; empty for
+        plain `jnp` code outside any `jax.named_scope`).
+      lhs_shape: shape of the left operand.
+      rhs_shape: shape of the right operand.
+      dimension_numbers: the `dot_general` dimension numbers.
+    """
+
+    name: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    dimension_numbers: Any
+
+
+def _fp8_dtype(value: Any, field: str) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError as e:
+        raise ValueError(f"Fp8Recipe: {field}={value!r} is not a dtype") from e
+    if dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"Fp8Recipe: {field}={dtype.name} is not an fp8 format; use float8_e4m3fn or "
+            "float8_e5m2"
+        )
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How GEMMs run in float8: a frozen, hashable config (like TE's `DelayedScaling`).
+
+    Each eligible `dot_general` quantises its operands to fp8 with a scale
+    (`q = saturate(x * scale)`, `scale = fp8_max / amax * 2**-margin`), multiplies in fp8 with
+    float32 accumulation and returns the compute dtype with the scales divided back out. The
+    forward GEMM takes `forward_dtype` operands; the two backward GEMMs take the output
+    gradient in `backward_dtype` and the other operand in `forward_dtype`.
+
+    Attributes:
+      scaling: `"tensorwise"` (one scale per tensor from its current amax: torchao's default,
+        stateless and robust), `"rowwise"` (one scale per row along the contracting
+        dimension: torchao's most accurate recipe, tolerant of outlier rows) or `"delayed"`
+        (scale from an amax history kept in a variable collection, TE's `DelayedScaling`;
+        only through `apply_policy`, since it needs state).
+      forward_dtype: activations and weights; e4m3 (3 mantissa bits) is the precise format.
+      backward_dtype: output gradients; e5m2 by default (TE's HYBRID format): gradients span
+        a wider range than they need precision. Pass float8_e4m3fn for all-e4m3.
+      amax_history_len: delayed scaling's history length; 1024 is TE's default (a long
+        window guards against one step's spike dropping the scale).
+      amax_compute: `"max"` (the maximum over the history: TE's default, the safest against
+        overflow) or `"most_recent"` (the last step's amax: tracks a shrinking range).
+      margin: scales are divided by `2**margin`, headroom against next step's growth; 0 is
+        TE's and torchao's default (current scaling needs none).
+      power_of_two_scale: round each scale down to a power of two, so scaling is exact
+        (only the exponent changes); `None` means on for rowwise (torchao's rowwise recipe)
+        and off otherwise.
+      high_precision_grad_weight: run the weight-gradient GEMM (the gradient of the right
+        operand, the kernel of `x @ w`) in the compute dtype; torchao's "rowwise with
+        high-precision grad_weight", for when weight gradients need more precision.
+      min_dim: the smallest contracting and free size (each a multiple of 16, as fp8
+        tensor-core GEMMs require) a `dot_general` needs to run in fp8; smaller GEMMs are
+        memory bound, where quantising costs more than it saves.
+      exclude: `fnmatch` patterns on an op's name stack (module path, e.g. `"*/head"`,
+        `"*/Dense_0"`); a matching op stays in the compute dtype.
+      exclude_if: a predicate on an `Fp8Site`; `True` keeps the op in the compute dtype.
+
+    Raises:
+      ValueError: for a non-fp8 dtype, an unknown scaling or amax_compute, a negative
+        margin, a history length below 1 or a `min_dim` below 16, naming the field.
+
+    Example:
+      >>> recipe = Fp8Recipe(scaling="rowwise", exclude=("*/head",))
+      >>> recipe.power_of_two
+      True
+    """
+
+    scaling: str = "tensorwise"
+    forward_dtype: Any = jnp.float8_e4m3fn
+    backward_dtype: Any = jnp.float8_e5m2
+    amax_history_len: int = 1024
+    amax_compute: str = "max"
+    margin: float = 0.0
+    power_of_two_scale: bool | None = None
+    high_precision_grad_weight: bool = False
+    min_dim: int = 64
+    exclude: tuple[str, ...] = ()
+    exclude_if: Callable[[Fp8Site], bool] | None = None
+
+    def __post_init__(self):
+        if self.scaling not in _SCALINGS:
+            raise ValueError(f"Fp8Recipe: scaling={self.scaling!r}; expected one of {_SCALINGS}")
+        if self.amax_compute not in _AMAX_COMPUTE:
+            raise ValueError(
+                f"Fp8Recipe: amax_compute={self.amax_compute!r}; expected one of {_AMAX_COMPUTE}"
+            )
+        object.__setattr__(self, "forward_dtype", _fp8_dtype(self.forward_dtype, "forward_dtype"))
+        object.__setattr__(
+            self, "backward_dtype", _fp8_dtype(self.backward_dtype, "backward_dtype")
+        )
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
+            raise ValueError(
+                f"Fp8Recipe: amax_history_len={self.amax_history_len!r} must be an int"
+            )
+        if self.amax_history_len < 1:
+            raise ValueError(
+                f"Fp8Recipe: amax_history_len={self.amax_history_len} must be at least 1"
+            )
+        if not np.isfinite(self.margin) or self.margin < 0:
+            raise ValueError(f"Fp8Recipe: margin={self.margin} must be finite and >= 0")
+        if not isinstance(self.min_dim, int) or self.min_dim < 16:
+            raise ValueError(f"Fp8Recipe: min_dim={self.min_dim!r} must be an int >= 16")
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if self.exclude_if is not None and not callable(self.exclude_if):
+            raise ValueError("Fp8Recipe: exclude_if must be callable or None")
+
+    @property
+    def power_of_two(self) -> bool:
+        """Whether scales are rounded down to powers of two (default: rowwise only)."""
+        if self.power_of_two_scale is None:
+            return self.scaling == "rowwise"
+        return bool(self.power_of_two_scale)
+
+    def excludes(self, site: Fp8Site) -> bool:
+        """Whether the user excluded `site` by name pattern or predicate."""
+        if any(fnmatch.fnmatchcase(site.name, p) for p in self.exclude):
+            return True
+        return bool(self.exclude_if(site)) if self.exclude_if is not None else False
