@@ -4,7 +4,8 @@ The model is a deep MLP (`depth` Dense layers, kernel + bias each, so 2 * depth 
 by default) with float32 parameters and float16 compute: params are cast to float16 in the
 forward pass and the loss is taken in float32, the usual Flax `param_dtype=float32,
 dtype=float16` set-up. Every variant runs the same forward + backward + Adam update under
-`jax.jit` with the train state donated:
+`jax.jit`, once with the train state donated and once without (both in the same interleaved
+timing rounds):
 
 - bare optax: `optax.adam`, no loss scaling, no finite check (the baseline).
 - mpjax: `mpjax.loss_scaled(optax.adam)` with its default `DynamicLossScale`.
@@ -24,9 +25,10 @@ dtype=float16` set-up. Every variant runs the same forward + backward + Adam upd
   counter cross the jit boundary as arrays and the object is rebuilt in the step. Omitted
   (with a note) when jmp is not installed (`pip install mpjax[bench]`).
 
-Reported per variant: compiled "bytes accessed" from XLA's cost analysis and wall time per
-step (median over interleaved rounds, min-max), each as a ratio to bare optax in the same
-run (time ratios are medians of per-round ratios, so machine-wide slow phases cancel).
+Reported per variant and donation mode: compiled "bytes accessed" from XLA's cost analysis
+and wall time per step (median over interleaved rounds, min-max), each as a ratio to bare optax
+with the same donation in the same run (time ratios are medians of per-round ratios, so
+machine-wide slow phases cancel), and mpjax's paired time ratio to each anchor.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ COMPUTE = jnp.float16
 LR = 1e-4
 STATIC_SCALE = 2.0**15
 FP16_PARAMS = "(info) mpjax, fp16 params + fp32 master"
+MPJAX = "mpjax.loss_scaled(adam)"
+ANCHORS = ("flax DynamicScale", "optax.apply_if_finite + static scale", "jmp pattern")
+DONATION = (True, False)
 
 FULL = {"depth": 60, "width": 256, "batch": 32, "rounds": 21, "steps_per_round": 5}
 QUICK = {"depth": 8, "width": 32, "batch": 8, "rounds": 5, "steps_per_round": 2}
@@ -192,7 +197,7 @@ def variants() -> dict:
     """name -> (init, step); the first entry is the baseline."""
     out = {
         "bare optax adam": (bare_init, bare_step),
-        "mpjax.loss_scaled(adam)": (mpjax_init, mpjax_step),
+        MPJAX: (mpjax_init, mpjax_step),
         "flax DynamicScale": (flax_init, flax_step),
         "optax.apply_if_finite + static scale": (if_finite_init, if_finite_step),
     }
@@ -227,47 +232,62 @@ def run(quick: bool = False, sizes: dict | None = None) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(params))
 
     steps, states, costs = {}, {}, {}
-    for name, (init, step) in variants().items():
-        state = init(jax.tree.map(jnp.copy, params))
-        jitted = jax.jit(step, donate_argnums=0)
-        costs[name] = cost_analysis(jitted, state, batch)
-        states[name] = state
-        steps[name] = jitted
+    for donate in DONATION:
+        for name, (init, step) in variants().items():
+            key = (name, donate)
+            state = init(jax.tree.map(jnp.copy, params))
+            jitted = jax.jit(step, donate_argnums=0) if donate else jax.jit(step)
+            costs[key] = cost_analysis(jitted, state, batch)
+            states[key] = state
+            steps[key] = jitted
 
     times, losses = time_train_steps(
         steps, states, batch, rounds=cfg["rounds"], steps_per_round=cfg["steps_per_round"]
     )
 
-    base = next(iter(steps))
     rows = []
     skipped = {}
-    for name in steps:
-        t = summary(times[name])
-        r = paired_ratio(times, name, base)
+    versus = []
+    for key in steps:
+        name, donate = key
+        base = (next(iter(variants())), donate)
+        t = summary(times[key])
+        r = paired_ratio(times, key, base)
         rows.append(
             [
                 name,
-                costs[name]["bytes accessed"] / 1e6,
-                costs[name]["bytes accessed"] / costs[base]["bytes accessed"],
-                costs[name]["copies"],
+                "yes" if donate else "no",
+                costs[key]["bytes accessed"] / 1e6,
+                costs[key]["bytes accessed"] / costs[base]["bytes accessed"],
+                costs[key]["copies"],
                 t["median"] * 1e3,
                 f"{t['min'] * 1e3:.3g}-{t['max'] * 1e3:.3g}",
                 r["median"],
                 f"{r['min']:.3g}-{r['max']:.3g}",
             ]
         )
-        s = skipped_steps(name, states[name])
+        if name in ANCHORS:
+            v = paired_ratio(times, (MPJAX, donate), key)
+            versus.append(
+                f"{'donated' if donate else 'not donated'}, mpjax / {name}: "
+                f"{v['median']:.3f} ({v['min']:.3g}-{v['max']:.3g})"
+            )
+        s = skipped_steps(name, states[key])
         if s:
-            skipped[name] = s
-        if not np.isfinite(float(losses[name])):
+            skipped[f"{name} (donated={donate})"] = s
+        if not np.isfinite(float(losses[key])):
             raise RuntimeError(f"step_overhead: {name} produced a non-finite loss")
 
     notes = [
         f"MLP: {cfg['depth']} Dense layers of {cfg['width']}x{cfg['width']} "
         f"({n_leaves} leaves, {n_params / 1e6:.2f} M params), batch {cfg['batch']}, "
-        "float32 params, float16 compute, Adam, state donated, jax.jit.",
-        f"Times: {cfg['rounds']} interleaved rounds of {cfg['steps_per_round']} steps; "
-        "'time ratio' is the median (min-max) of per-round ratios to bare optax.",
+        "float32 params, float16 compute, Adam, jax.jit with and without the state donated.",
+        f"Times: {cfg['rounds']} interleaved rounds of {cfg['steps_per_round']} steps, every "
+        "variant in both donation modes in each round; 'time ratio' is the median (min-max) "
+        "of per-round ratios to bare optax with the same donation.",
+        "mpjax's paired time ratio to each anchor, median (min-max) over rounds: "
+        + "; ".join(versus)
+        + ".",
         "'HLO copies': copy instructions XLA inserted in the compiled step (extra passes over "
         "state buffers).",
         f"'{FP16_PARAMS}' stores the params in float16 with a float32 master copy in the "
@@ -284,6 +304,7 @@ def run(quick: bool = False, sizes: dict | None = None) -> dict:
         "title": "Step overhead of loss scaling (fp16 compute, full train step)",
         "columns": [
             "variant",
+            "donated",
             "bytes accessed (MB)",
             "bytes ratio",
             "HLO copies",

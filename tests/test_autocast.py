@@ -160,7 +160,13 @@ def test_cnn_jaxpr_dtypes(compute):
     assert {e.primitive.name for e in mm} == {"conv_general_dilated", "dot_general"}
     for e in mm:
         assert in_dtypes(e) == [compute, compute], e
+    # GEMMs accumulate in float32 (XLA:GPU keeps them low precision with a float32
+    # result); convolutions return the compute dtype (a float32 request would make XLA:GPU
+    # run them as float32 convolutions; cuDNN accumulates in float32 either way).
+    for e in eqns_named(jaxpr, "dot_general"):
         assert e.params["preferred_element_type"] == F32, e
+    for e in eqns_named(jaxpr, "conv_general_dilated"):
+        assert e.params["preferred_element_type"] is None and out_dtypes(e) == [compute], e
     # BatchNorm statistics (mean, mean of squares) and rsqrt run in float32.
     stats = eqns_named(jaxpr, "reduce_sum", "square", "rsqrt")
     assert len(stats) >= 5

@@ -207,3 +207,24 @@ def test_bad_configuration_is_named():
         ConvBN(4).init(jax.random.key(0), x, jnp.ones((1, 4, 4, 3)), use_running_average=True)
     with pytest.raises(ValueError, match="rank-4 NCHW"):
         nchw_to_nhwc(jnp.ones((3, 4)))
+
+
+def _primitives(jaxpr):
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _primitives(sub)
+
+
+@pytest.mark.parametrize("impl,kernels", [("auto", 0), ("pallas", 2)])
+def test_auto_uses_the_xla_forms_the_cost_model_prefers(impl, kernels):
+    """`impl="auto"` stages no Pallas call (the H100 cost model says XLA is faster)."""
+    layer = ConvBN(8, dtype=jnp.bfloat16, impl=impl)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 6, 8), jnp.bfloat16)
+    v = ConvBN(8, impl="xla").init(jax.random.key(1), x, use_running_average=False)
+    jaxpr = jax.make_jaxpr(
+        lambda v, x: layer.apply(v, x, x, use_running_average=False, mutable=["batch_stats"])
+    )(v, x)
+    assert list(_primitives(jaxpr.jaxpr)).count("pallas_call") == kernels

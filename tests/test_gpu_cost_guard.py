@@ -37,25 +37,11 @@ OPT_BYTES_MARGIN, OPT_MAX_KERNELS, FP16_STEP_BYTES_MARGIN = 1.15, 130, 1.05
 POLICY_FIX = "issue 14: fixed by gpu-policy"
 SCALING_FIX = "issue 14: fixed by gpu-scaling"
 KNOWN_FAILING = {
-    ("resnet", "policy", "temp"): POLICY_FIX,
-    ("resnet", "policy", "roofline"): POLICY_FIX,
-    ("resnet", "autocast", "f32-matmul"): POLICY_FIX,
-    ("resnet", "autocast", "temp"): POLICY_FIX,
-    ("resnet", "autocast", "roofline"): POLICY_FIX,
-    ("resnet", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
-    ("resnet", "fp16-scaled", "roofline"): POLICY_FIX + " and gpu-scaling",
     ("resnet", "fp16-scaled", "convert-kernels"): SCALING_FIX,
-    ("resnet", "convbn", "temp"): POLICY_FIX,
-    ("resnet", "convbn", "roofline"): POLICY_FIX,
-    ("resnet", "convbn", "convert-kernels"): POLICY_FIX,
-    ("lm", "policy", "temp"): POLICY_FIX,
-    ("lm", "policy", "roofline"): POLICY_FIX,
-    ("lm", "autocast", "temp"): POLICY_FIX,
     ("lm", "autocast", "roofline"): POLICY_FIX,
     ("lm", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
     ("lm", "fp16-scaled", "roofline"): POLICY_FIX + " and gpu-scaling",
     ("lm", "fp16-scaled", "convert-kernels"): SCALING_FIX,
-    ("opt-step", "loss_scaled", "bytes"): SCALING_FIX,
 }
 MPJAX_PATHS = {
     "resnet": (
@@ -172,7 +158,6 @@ def _opt_rows(opt_step):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=KNOWN_FAILING[("opt-step", "loss_scaled", "bytes")])
 def test_loss_scaled_optimizer_step_bytes(opt_step):
     bare, scaled = _opt_rows(opt_step)
     for d in scaled:

@@ -10,6 +10,7 @@ import pytest
 from jax.test_util import check_grads
 
 from mpjax.pallas import common, conv_epilogue
+from mpjax.pallas.epilogue import conv_epilogue_reference
 
 # (N, H, W, C): 72 rows in 5 row blocks of 16 (the last ragged) x 2 channel blocks of 256
 # (the last 44 wide): every kernel masks both axes.
@@ -226,3 +227,16 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="cannot run on these inputs"):
         conv_epilogue(jnp.ones((0, 4)), v, v, impl="interpret")
     assert conv_epilogue(jnp.ones((0, 4)), v, v, impl="auto").shape == (0, 4)
+
+
+def test_xla_epilogue_saves_no_float32_copy_for_the_backward_pass():
+    """Under bf16 the reference keeps what it saves for the gradient in bf16 (no f32 z)."""
+    y = jax.random.normal(jax.random.key(0), (64, 8), jnp.bfloat16)
+    scale, shift = jnp.full((8,), 1.5), jnp.full((8,), -0.25)
+
+    def f(y, res):
+        return conv_epilogue_reference(y, scale, shift, res, activation="relu")
+
+    _, vjp_fn = jax.vjp(f, y, y)
+    saved = [x for x in jax.tree.leaves(vjp_fn) if np.shape(x) == y.shape]  # the residuals
+    assert saved and all(x.dtype != jnp.float32 for x in saved), [x.dtype for x in saved]

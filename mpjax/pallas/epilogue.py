@@ -104,6 +104,10 @@ def _compute_dtype(*arrays) -> np.dtype:
     return np.dtype(jnp.result_type(jnp.float32, *dtypes))
 
 
+# Activations that commute with rounding to a narrower float (monotone, exact at 0).
+_COMMUTES_WITH_ROUNDING = frozenset({"relu", "none"})
+
+
 def _activate(z: jax.Array, activation: str) -> jax.Array:
     if activation == "relu":
         return jax.nn.relu(z)
@@ -125,10 +129,15 @@ def _activate_grad(z: jax.Array, g: jax.Array, activation: str) -> jax.Array:
 def conv_epilogue_reference(y, scale, shift, residual=None, *, activation="relu", out_dtype=None):
     """The plain `jax.numpy` epilogue (the "xla" implementation), differentiated by JAX."""
     cd = _compute_dtype(y, scale, shift, residual)
+    out_dtype = y.dtype if out_dtype is None else out_dtype
     z = y.astype(cd) * scale.astype(cd) + shift.astype(cd)
     if residual is not None:
         z = z + residual.astype(cd)
-    return _activate(z, activation).astype(y.dtype if out_dtype is None else out_dtype)
+    if activation in _COMMUTES_WITH_ROUNDING:
+        # relu(round(z)) == round(relu(z)) exactly; activating after the cast makes JAX save
+        # the pre-activation for the backward pass in `out_dtype`, not float32.
+        return _activate(z.astype(out_dtype), activation)
+    return _activate(z, activation).astype(out_dtype)
 
 
 def _epilogue_pallas(activation, out_dtype, y, scale, shift, residual, *, interpret):

@@ -1,11 +1,14 @@
-"""Multi-tensor unscale and finite check of a gradient pytree: one Pallas kernel per 128 leaves.
+"""Multi-tensor finite check (and unscale) of a gradient pytree: one Pallas kernel per 128 leaves.
 
 One `pallas_call` covers up to 128 leaves at once (like apex's multi-tensor apply): its 1-D grid
 is the concatenation of every leaf's blocks, each grid step finds the leaf it belongs to, reads
-that block once, writes `g * (1 / loss_scale)` in float32 (float64 for float64 leaves) and a 0/1
-finite flag for its own block. No leaf is copied into a flat buffer: each leaf is passed as its
-own operand (a free reshape to 1-D). The per-block flags are reduced outside the kernel, so no
-flag is shared between grid steps (that would race on the GPU).
+that block once in the leaf's own dtype and writes a 0/1 flag for its own block: whether every
+`g * (1 / loss_scale)` (float32; float64 for float64 leaves) is finite. `all_finite_unscaled`
+writes nothing else: `loss_scaled` multiplies by `1 / loss_scale` inside the inner optimizer's
+update, where XLA fuses it. `unscale_and_check` also writes the unscaled float32 copy. No leaf is
+copied into a flat buffer: each leaf is passed as its own operand (a free reshape to 1-D). The
+per-block flags are reduced outside the kernel, so no flag is shared between grid steps (that
+would race on the GPU). The XLA references live here, beside the kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from mpjax._dtypes import is_floating, wide_dtype
 from mpjax.pallas.common import (
     MAX_ELEMENTS,
     compiler_params,
@@ -27,10 +31,15 @@ from mpjax.pallas.common import (
     reciprocal,
 )
 from mpjax.pallas.dispatch import dispatch
-from mpjax.scaling.loss_scale import _is_floating
-from mpjax.scaling.loss_scaled import xla_unscale_and_check
 
-__all__ = ["unscale_and_check", "BLOCK", "MAX_LEAVES_PER_CALL"]
+__all__ = [
+    "BLOCK",
+    "MAX_LEAVES_PER_CALL",
+    "all_finite_unscaled",
+    "unscale_and_check",
+    "xla_all_finite_unscaled",
+    "xla_unscale_and_check",
+]
 
 # Elements per grid step of a large leaf (a power of two, as Triton requires).
 BLOCK = 4096
@@ -74,24 +83,16 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
       ...     optax.adam(1e-3),
       ...     unscale_and_check=functools.partial(mpjax.pallas.unscale_and_check, impl="auto"))
     """
-    leaves, treedef = jax.tree.flatten(grads)
-    scale = jnp.asarray(loss_scale)
-    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
-        raise ValueError(
-            "unscale_and_check: loss_scale must be a floating scalar, "
-            f"got {scale.dtype}{scale.shape}"
-        )
-    scale = scale.astype(jnp.float32)
-    where = [i for i, x in enumerate(leaves) if _is_floating(x)]
-    floating = [jnp.asarray(leaves[i]) for i in where]
-    too_big = [g.shape for g in floating if g.size > MAX_ELEMENTS]
+    leaves, treedef, where, floating, scale, unsupported = _prepare(
+        "unscale_and_check", grads, loss_scale
+    )
     unscaled, finite = dispatch(
         "unscale_and_check",
         impl,
         (floating, scale),
         kernel=_unscale_pallas,
-        reference=xla_unscale_and_check,
-        unsupported=f"leaves of shapes {too_big} exceed 2**31 elements" if too_big else None,
+        reference=_xla_unscale_leaves,
+        unsupported=unsupported,
     )
     out = list(leaves)
     for i, u in zip(where, unscaled, strict=True):
@@ -99,7 +100,95 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
     return jax.tree.unflatten(treedef, out), finite
 
 
+def all_finite_unscaled(grads: Any, loss_scale: Any, *, impl: str = "auto") -> jax.Array:
+    """Whether every floating leaf of `grads` divided by `loss_scale` is finite; reads only.
+
+    The same flag as `unscale_and_check(grads, loss_scale)[1]` without writing the unscaled
+    copy: the Pallas kernel reads each leaf once in its own dtype (float16, bfloat16, float32,
+    float64) and writes one int32 per block. Non-floating leaves are ignored.
+
+    Args:
+      grads: a pytree of gradients of the scaled loss, in any floating dtypes.
+      loss_scale: the scalar loss scale.
+      impl: as for `unscale_and_check`.
+
+    Returns:
+      A scalar bool array.
+
+    Example:
+      >>> ok = mpjax.pallas.all_finite_unscaled({"w": jnp.ones(3, jnp.float16)}, 2.0**15)
+    """
+    _, _, _, floating, scale, unsupported = _prepare("all_finite_unscaled", grads, loss_scale)
+    return dispatch(
+        "all_finite_unscaled",
+        impl,
+        (floating, scale),
+        kernel=_check_pallas,
+        reference=_xla_check_leaves,
+        unsupported=unsupported,
+    )
+
+
+def xla_unscale_and_check(grads: Any, loss_scale: Any) -> tuple[Any, jax.Array]:
+    """The XLA reference of `unscale_and_check`: `g.astype(float32) / loss_scale`, then the check.
+
+    Args:
+      grads: a pytree of (scaled) gradients.
+      loss_scale: the scalar loss scale.
+
+    Returns:
+      `(unscaled, all_finite)`.
+    """
+    return unscale_and_check(grads, loss_scale, impl="xla")
+
+
+def xla_all_finite_unscaled(grads: Any, loss_scale: Any) -> jax.Array:
+    """The XLA reference of `all_finite_unscaled` (one reduction per leaf)."""
+    return all_finite_unscaled(grads, loss_scale, impl="xla")
+
+
+def _prepare(where: str, grads: Any, loss_scale: Any) -> tuple:
+    """Flattens `grads`, checks `loss_scale`; returns what the kernels and references take."""
+    leaves, treedef = jax.tree.flatten(grads)
+    scale = jnp.asarray(loss_scale)
+    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(
+            f"{where}: loss_scale must be a floating scalar, got {scale.dtype}{scale.shape}"
+        )
+    scale = scale.astype(jnp.float32)
+    idx = [i for i, x in enumerate(leaves) if is_floating(x)]
+    floating = [jnp.asarray(leaves[i]) for i in idx]
+    too_big = [g.shape for g in floating if g.size > MAX_ELEMENTS]
+    unsupported = f"leaves of shapes {too_big} exceed 2**31 elements" if too_big else None
+    return leaves, treedef, idx, floating, scale, unsupported
+
+
+def _xla_unscale_leaves(grads: list, scale: jax.Array) -> tuple[list, jax.Array]:
+    unscaled = [g.astype(wide_dtype(g.dtype)) / scale.astype(wide_dtype(g.dtype)) for g in grads]
+    return unscaled, _all_finite(unscaled)
+
+
+def _xla_check_leaves(grads: list, scale: jax.Array) -> jax.Array:
+    return _xla_unscale_leaves(grads, scale)[1]
+
+
+def _all_finite(leaves: list) -> jax.Array:
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[list, jax.Array]:
+    return _run(grads, scale, interpret=interpret, write=True)
+
+
+def _check_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> jax.Array:
+    return _run(grads, scale, interpret=interpret, write=False)[1]
+
+
+def _run(grads: list, scale: jax.Array, *, interpret: bool, write: bool) -> tuple[list, jax.Array]:
+    """The kernel launches over `grads`, 128 leaves at a time; `write` says whether the unscaled
+    leaves are written (else only the block flags)."""
     out: list = [None] * len(grads)
     work = []
     for i, g in enumerate(grads):
@@ -111,8 +200,8 @@ def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[
     flags = []
     for c in range(0, len(work), MAX_LEAVES_PER_CALL):
         chunk = work[c : c + MAX_LEAVES_PER_CALL]
-        unscaled, chunk_flags = _unscale_call([grads[i] for i in chunk], scales, interpret)
-        for i, u in zip(chunk, unscaled, strict=True):
+        unscaled, chunk_flags = _call([grads[i] for i in chunk], scales, interpret, write)
+        for i, u in zip(chunk if write else [], unscaled, strict=True):
             out[i] = u.reshape(grads[i].shape)
         flags.append(chunk_flags)
     if not flags:
@@ -120,14 +209,16 @@ def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[
     return out, jnp.min(jnp.concatenate(flags)) > 0
 
 
-def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax.Array]:
-    """One kernel launch over `grads` (non-empty arrays); returns 1-D outputs and block flags."""
+def _call(grads: list, scales: dict, interpret: bool, write: bool) -> tuple[list, jax.Array]:
+    """One kernel launch over `grads` (non-empty arrays); returns 1-D outputs (if `write`, else
+    none) and block flags."""
     sizes = [int(g.size) for g in grads]
     blocks = [min(BLOCK, max(MIN_BLOCK, next_pow2(n))) for n in sizes]
     nblocks = [pl.cdiv(n, b) for n, b in zip(sizes, blocks, strict=True)]
     starts = np.cumsum([0, *nblocks]).tolist()
     out_dtypes = [compute_dtype(g.dtype) for g in grads]
     k = len(grads)
+    nout = k if write else 0
     scale_dtypes = sorted(set(out_dtypes), key=str)
     nscales = len(scale_dtypes)
 
@@ -139,7 +230,7 @@ def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax
             for d, ref in zip(scale_dtypes, refs[:nscales], strict=True)
         }
         refs = refs[nscales:]
-        x_refs, o_refs, flag_ref = refs[:k], refs[k : 2 * k], refs[2 * k]
+        x_refs, o_refs, flag_ref = refs[:k], refs[k : k + nout], refs[k + nout]
         pid = pl.program_id(0)
         for j in range(k):
 
@@ -147,9 +238,11 @@ def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax
             def _(j=j):
                 b, dtype = blocks[j], out_dtypes[j]
                 mask = offsets(b, 0, (b,), pid - starts[j]) < sizes[j]
+                # Loaded in the leaf's own dtype, widened in registers.
                 x = pltriton.load(x_refs[j], mask=mask, other=0).astype(dtype)
                 u = x * jnp.broadcast_to(inverses[dtype], (b,))
-                pltriton.store(o_refs[j], u, mask=mask)
+                if write:
+                    pltriton.store(o_refs[j], u, mask=mask)
                 ok = jnp.where(mask, jnp.isfinite(u), True).astype(jnp.int32)
                 flag_ref[...] = jnp.min(ok, keepdims=True)
 
@@ -159,17 +252,17 @@ def _unscale_call(grads: list, scales: dict, interpret: bool) -> tuple[list, jax
 
     specs = [leaf_spec(j) for j in range(k)]
     grid = starts[-1]
+    out_shapes = [
+        _shape_like(g, (n,), d) for g, n, d in zip(grads, sizes, out_dtypes, strict=True)
+    ][:nout]
     *unscaled, flags = pl.pallas_call(
         kernel,
         grid=(grid,),
         in_specs=[pl.BlockSpec((1,), lambda i: (0,))] * nscales + specs,
-        out_specs=[*specs, pl.BlockSpec((1,), lambda i: (i,))],
-        out_shape=[
-            *(_shape_like(g, (n,), d) for g, n, d in zip(grads, sizes, out_dtypes, strict=True)),
-            _shape_like(grads, (grid,), jnp.int32),
-        ],
+        out_specs=[*specs[:nout], pl.BlockSpec((1,), lambda i: (i,))],
+        out_shape=[*out_shapes, _shape_like(grads, (grid,), jnp.int32)],
         interpret=interpret,
         compiler_params=None if interpret else compiler_params(num_warps=4),
-        name="mpjax_unscale_and_check",
+        name="mpjax_unscale_and_check" if write else "mpjax_all_finite_unscaled",
     )(*(scales[d] for d in scale_dtypes), *(g.reshape(-1) for g in grads))
     return unscaled, flags

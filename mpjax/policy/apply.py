@@ -32,6 +32,11 @@ def apply_policy(
     falls back to `"*"`. Then `defaults` keep normalisation layers, attention softmax
     and the final logits in float32 under low-precision compute (see `Defaults`).
 
+    A policy's `output_dtype` applies at the boundary of the module(s) its rule selects:
+    the wrapped model for a one-string policy or the `"*"` rule, each matching module for
+    a class or path rule; a module that only inherits a policy returns its compute dtype
+    (`autocast` means the same: `output_dtype` where values leave the function).
+
     Args:
       module: a `flax.linen.Module` (a `PolicyModule` with the same `init`/`apply` and
         variable tree is returned) or a `flax.nnx.Module` (changed in place and

@@ -4,8 +4,12 @@ Like `torch.autocast`, but as a function transformation: the function is traced 
 and re-evaluated equation by equation, each primitive rebound with operands cast by the
 rules of an `OpLists`:
 
-* `lower_precision` ops (`dot_general`, `conv_general_dilated`) take compute-dtype operands,
-  accumulate in float32 (`preferred_element_type`) and return the compute dtype;
+* `lower_precision` ops (`dot_general`, `conv_general_dilated`) take compute-dtype operands
+  and return the compute dtype; GEMMs accumulate in float32 (`preferred_element_type`),
+  convolutions are bound with a compute-dtype result (see `lower_precision_op`);
+* a compute-dtype value normalised by broadcast float32 statistics (BatchNorm, LayerNorm)
+  is computed in float32 and counts as the compute dtype (see `_continues_narrow`); rows
+  gathered from a floating argument (an embedding table) are gathered in the compute dtype;
 * `fp32` ops (exp, log, rsqrt, reductions, ...) run in float32;
 * every other op runs in the widest dtype of its floating inputs; scalar literals and values
   computed from literals alone adapt to their partner (like JAX's weak types);
@@ -31,14 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import source_info_util
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
 from mpjax.fp8.autocast_hook import check_autocast_recipe, fp8_lower
 from mpjax.fp8.recipe import Fp8Recipe
 from mpjax.policy.autocast_rules import (
+    ARG,
     FLEX,
     HIGHER_ORDER_RULES,
     LOW,
+    NARROW,
     STRONG,
     cast,
     dtype_of,
@@ -54,8 +61,20 @@ DEFAULT_AUTOCAST_POLICY = "params=float32,compute=bfloat16,output=float32"
 
 _FULL = np.dtype(np.float32)
 
-# Bilinear ops whose low-precision form gets a custom JVP (see `_lower_precision`).
+# Bilinear ops whose low-precision form gets a custom JVP (see `lower_precision_op`).
 _BILINEAR = frozenset({"dot_general", "conv_general_dilated"})
+
+# Ops whose float32 accumulation request makes XLA:GPU widen the whole op to float32
+# (a float32 cuDNN convolution on converted operands). Their low-precision form already
+# accumulates in float32 (cuDNN, XLA:CPU and TPU convolutions all do), so autocast asks
+# for a compute-dtype result. GEMMs keep the request: XLA:GPU honours it with a
+# low-precision cuBLAS/Triton GEMM that writes the float32 result (or fuses the convert).
+_WIDENED_BY_ACCUMULATION = frozenset({"conv_general_dilated"})
+
+# Elementwise ops that continue a normalisation (see `_continues_narrow`).
+_NARROW_CHAIN = frozenset(
+    {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "integer_pow"}
+)
 
 # First-order primitives bound with the operand dtypes they were traced with.
 _OPAQUE = frozenset(
@@ -112,7 +131,13 @@ def _eval_jaxpr(
                 casts[atom, dtype] = cast(val, dtype, saturate=fixed)
             return casts[atom, dtype]
 
-        with eqn.ctx.manager:
+        # Re-bind under the equation's own name stack and traceback, so the emitted ops
+        # carry the traced function's names (module paths) into the HLO metadata.
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with (
+            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+            eqn.ctx.manager,
+        ):
             rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
             if rule is not None:
                 outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
@@ -147,7 +172,7 @@ def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[li
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
-        outs = _lower_precision(ctx, prim, params, vals)
+        outs = lower_precision_op(ctx, prim, params, vals)
         return outs, [LOW] * len(outs)
     if category == "fp32":
         dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
@@ -156,11 +181,23 @@ def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[li
     elif name in _OPAQUE or any(True for _ in jaxprs_in_params(params)):
         vals = [cast_in(i, var.aval.dtype) for i, var in enumerate(eqn.invars)]
         out_origin = STRONG
+    elif name == "gather" and origins[0] == ARG and 0 in floats:
+        # Rows of a floating argument (an embedding table) are gathered in the compute
+        # dtype, as Flax's `Embed(dtype=...)` does: the activations start narrow, and the
+        # gradient scatter runs in the compute dtype.
+        vals = [cast_in(0, ctx.compute), *vals[1:]]
+    elif name == "convert_element_type":
+        pass  # an explicit cast: of the value it is given, at full precision
     elif not prim.multiple_results and strong:
         if _is_epilogue(ctx, name, vals, origins, strong):
             target = ctx.compute
+        elif _continues_narrow(ctx, name, vals, origins, strong):
+            target, out_origin = widest([dtype_of(vals[i]) for i in strong]), NARROW
         else:
-            target = widest([dtype_of(vals[i]) for i in strong])
+            # A NARROW value counts as the compute dtype here (cast once, where it ends).
+            target = widest(
+                [ctx.compute if origins[i] == NARROW else dtype_of(vals[i]) for i in strong]
+            )
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
     # Multiple-result primitives (optimization_barrier, sort, collectives over tuples, ...)
     # take independent operands: they pass through in the dtypes they arrive in.
@@ -187,11 +224,50 @@ def _is_epilogue(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) 
     )
 
 
-def _lower_precision(ctx: _Ctx, prim, params, vals: list) -> list:
-    """Binds a lower-precision op on compute-dtype operands; accumulates; returns compute."""
+def _continues_narrow(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
+    """Whether this op is a step of a normalisation (its result is tagged NARROW).
+
+    True for an elementwise op whose one full-size operand is in the compute dtype (or
+    NARROW already) and whose other operands are smaller, broadcast, and wider (float32
+    statistics, scale and bias: `(x - mean) * rsqrt(var + eps) * scale + bias`), or a
+    unary op / a max with a literal (`relu`) of a NARROW value. The op runs in the wider
+    dtype, but its result counts as the compute dtype: it is cast once, where it meets
+    another full-size compute-dtype value or an op that is not such a step (a residual
+    add, a max-pool), so the normalised activations and what follows them stay narrow,
+    as `BatchNorm(dtype=bfloat16)` and torch.autocast's `batch_norm` return the input
+    dtype. Reductions (float32 ops) read the value at full precision. Off with
+    `OpLists(epilogue=frozenset())` (the plain widest rule everywhere).
+    """
+    if name not in _NARROW_CHAIN or not ctx.lists.epilogue:
+        return False
+    full = max(_size(vals[i]) for i in strong)
+    main = [i for i in strong if _size(vals[i]) == full]
+    if len(main) != 1:
+        return False
+    (m,) = main
+    if origins[m] != NARROW and dtype_of(vals[m]) != ctx.compute:
+        return False
+    others = [dtype_of(vals[i]) for i in strong if i != m]
+    return origins[m] == NARROW or any(widest([d, ctx.compute]) != ctx.compute for d in others)
+
+
+def lower_precision_op(ctx: _Ctx, prim, params, vals: list) -> list:
+    """Binds a lower-precision op (dot_general, conv, ...) on compute-dtype operands.
+
+    The one place autocast lowers matmul-like ops. Returns compute-dtype outputs. When
+    `ctx.accum` asks for a wider accumulation, a GEMM is bound with
+    `preferred_element_type=accum` and converted (XLA:GPU runs it as a low-precision GEMM
+    with a float32 result, fusing the convert), with a custom JVP whose derivative ops are
+    compute-dtype too; an op in `_WIDENED_BY_ACCUMULATION` (convolution) is bound with a
+    compute-dtype result, since the float32 request would make XLA:GPU run it in float32
+    on converted operands while the low-precision form accumulates in float32 anyway.
+    """
     compute = ctx.compute
     accumulate = (
-        ctx.accum is not None and ctx.accum != compute and "preferred_element_type" in params
+        ctx.accum is not None
+        and ctx.accum != compute
+        and "preferred_element_type" in params
+        and prim.name not in _WIDENED_BY_ACCUMULATION
     )
     if not accumulate:
         if "preferred_element_type" in params:
@@ -266,7 +342,8 @@ def autocast(
     Args:
       fun: the function; omit it to use `autocast(policy=...)` as a decorator.
       policy: a `Policy` or spec string; `compute_dtype` and `output_dtype` are used
-        (`param_dtype` is not: arguments are not cast).
+        (`param_dtype` is not: arguments are not cast). `output_dtype` applies where values
+        leave `fun`, as it applies at the boundary of the model for `apply_policy`.
       op_lists: an `OpLists`; defaults to `OpLists()`.
       accumulation_dtype: `preferred_element_type` of lower-precision ops, or `None` to
         leave accumulation to the backend (the op then returns the compute dtype directly).
@@ -330,7 +407,7 @@ def autocast(
 
         dyn_vals = [leaves[i] for i in dynamic]
         closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
-        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [STRONG] * len(dyn_vals))
+        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
         outs = [cast(o, pol.output_dtype) for o in outs]
         return jax.tree.unflatten(out_tree[0], outs)
 

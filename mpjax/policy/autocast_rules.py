@@ -17,10 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["FLEX", "HIGHER_ORDER_RULES", "LOW", "STRONG", "cast", "dtype_of", "is_float", "widest"]
+__all__ = [
+    "ARG",
+    "FLEX",
+    "HIGHER_ORDER_RULES",
+    "LOW",
+    "NARROW",
+    "STRONG",
+    "cast",
+    "dtype_of",
+    "is_float",
+    "widest",
+]
 
 # Origins of a value in the interpreter (see `autocast._eval_jaxpr`).
-STRONG, FLEX, LOW = 0, 1, 2
+STRONG, FLEX, LOW, NARROW, ARG = 0, 1, 2, 3, 4
 
 
 def dtype_of(x: Any) -> Any:
@@ -98,8 +109,12 @@ def _custom_jvp(evaluate, ctx, eqn, vals, origins):
     params = eqn.params
     call, num_consts, jvp_fun = params["call_jaxpr"], params["num_consts"], params["jvp_jaxpr_fun"]
 
+    primal_origins: list[list[int]] = []
+
     def primal(*args):
-        return evaluate(ctx, call.jaxpr, call.consts, args, origins)[0]
+        outs, oorigins = evaluate(ctx, call.jaxpr, call.consts, args, origins)
+        primal_origins.append(oorigins)
+        return outs
 
     out_structs = jax.eval_shape(primal, *map(_struct, vals))
     fun = jax.custom_jvp(primal)
@@ -127,7 +142,8 @@ def _custom_jvp(evaluate, ctx, eqn, vals, origins):
 
     fun.defjvp(rule)
     outs = fun(*vals)
-    return list(outs), [STRONG] * len(outs)
+    # A NARROW result (e.g. `jax.nn.relu` of a normalised activation) stays NARROW.
+    return list(outs), [NARROW if o == NARROW else STRONG for o in primal_origins[0]]
 
 
 def _custom_vjp(evaluate, ctx, eqn, vals, origins):

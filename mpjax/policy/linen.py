@@ -8,9 +8,10 @@ of a covered module, coming from outside that module:
 - on the module's first call in an `apply`, its own parameters are cast to its
   compute dtype once (and the cast values reused by every later call in that apply,
   so a tied embedding is cast once per step);
-- floating inputs are cast to the compute dtype, floating outputs to the output dtype,
-  and a `dtype` field (Flax's computation dtype) is set to the compute dtype for the
-  call, so an explicit `dtype=` on a layer does not override the policy;
+- floating inputs are cast to the compute dtype, floating outputs to the output dtype
+  (the inherited compute dtype for a module without its own rule; see
+  `mpjax.policy.rules`), and a `dtype` field (Flax's computation dtype) is set to
+  the compute dtype for the call, so an explicit `dtype=` on a layer does not override the policy;
 - attention modules in `Defaults.float32_softmax_modules` that use Flax's default
   `attention_fn` run `float32_softmax_attention` instead (softmax in float32, both
   matmuls on compute-dtype operands).

@@ -6,7 +6,8 @@ module a policy-aware class: a subclass of its own class (same name, `isinstance
 still holds) whose public methods, when called from outside the module,
 
 - cast floating inputs to the module's compute dtype and floating outputs to its
-  output dtype, and set a `dtype` attribute (Flax's computation dtype; NNX layers such
+  output dtype (the inherited compute dtype for a module without its own rule; see
+  `mpjax.policy.rules`), and set a `dtype` attribute (Flax's computation dtype; NNX layers such
   as `Embed` fix it at construction) to the compute dtype for the call;
 - on the outermost policy-aware call (e.g. `model(x)` in a train step) cast every
   `nnx.Param` of the called subtree to its owning module's compute dtype once, run,

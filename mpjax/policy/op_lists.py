@@ -175,7 +175,9 @@ class OpLists:
       conditional_fp32: `ConditionalFP32(primitive, param, values)` entries (MXNet
         `conditional_fp32_ops`).
       epilogue: primitive names kept in the compute dtype as the bias add of a
-        lower-precision op; `frozenset()` gives the plain widest-input rule everywhere.
+        lower-precision op; `frozenset()` gives the plain widest-input rule everywhere
+        (it also turns off autocast's normalisation rule, which keeps a compute-dtype
+        value normalised by broadcast float32 statistics in the compute dtype).
 
     Example:
       >>> lists = OpLists().with_added(fp32=["tanh"]).with_removed("argmax")

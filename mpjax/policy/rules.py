@@ -15,6 +15,12 @@ Resolution for one module (most specific wins):
 3. else its parent's policy (a policy on a parent covers children without a rule);
 4. else, for the root, the `"*"` rule; else the module is left untouched.
 Then the `Defaults` lists adjust low-precision policies (see `defaults.py`).
+
+A policy's `output_dtype` applies where values leave the module(s) its rule selects: the
+root for a one-string policy or the `"*"` rule, every matching module for a class or path
+rule. A module covered only through its parent returns the inherited policy's compute
+dtype (so a one-string `output=float32` casts the model's outputs, not every layer's);
+give a module its own rule to cast its outputs. `autocast` means the same by `output`.
 `field_overrides` is how the linen and NNX integrations apply a resolved policy to a
 module's own dtype-related fields during one call.
 """
@@ -251,6 +257,11 @@ def resolve(
             policy = dataclasses.replace(policy, compute_dtype=np.dtype(np.float32))
         sm_cls = _listed(cls, defaults.float32_softmax_modules)
         softmax = sm_cls is not None and not _user_overrides(rule, own, sm_cls)
+    if not own and not is_root:
+        # A policy's `output_dtype` is where values leave the module its rule selects (the
+        # root for a one-string policy): a module that only inherits the policy returns
+        # the inherited compute dtype, so the values between layers stay narrow.
+        policy = dataclasses.replace(policy, output_dtype=base.compute_dtype)
     if is_root and defaults.final_output_dtype is not None:
         wide = jnp.promote_types(policy.output_dtype, defaults.final_output_dtype)
         if wide != policy.output_dtype:

@@ -8,17 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _is_floating(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return False
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _wide_dtype(dtype) -> np.dtype:
-    """float32 for half types, the dtype itself for float32/float64."""
-    return jnp.promote_types(dtype, jnp.float32)
+from mpjax._dtypes import is_floating as _is_floating
+from mpjax._dtypes import wide_dtype as _wide_dtype
 
 
 def _map_floating(fn: Any, tree: Any, what: str) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -10,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpjax.pallas.dispatch import IMPLS
+from mpjax.pallas.unscale import all_finite_unscaled, xla_unscale_and_check
 from mpjax.scaling.checks import (
     _check_loss_scale,
     _check_param_dtypes,
@@ -24,6 +25,7 @@ from mpjax.scaling.loss_scale import (
     _wide_dtype,
     all_finite,
     select_tree,
+    unscale_tree,
 )
 
 __all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
@@ -101,22 +103,6 @@ def _view(params: Any, master: Any) -> Any:
     return jax.tree.map(view, params, master)
 
 
-def xla_unscale_and_check(grads: Any, loss_scale: jax.Array) -> tuple[Any, jax.Array]:
-    """Unscales `grads` to float32 and checks them for inf/NaN, with plain XLA ops.
-
-    Args:
-      grads: a pytree of (scaled) gradients.
-      loss_scale: the scalar loss scale.
-
-    Returns:
-      `(unscaled, all_finite)`.
-    """
-    from mpjax.scaling.loss_scale import unscale_tree
-
-    unscaled = unscale_tree(grads, loss_scale)
-    return unscaled, all_finite(unscaled)
-
-
 def loss_scaled(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
@@ -173,14 +159,19 @@ def loss_scaled(
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
-        replacing the built-in one; None uses `mpjax.pallas.unscale_and_check` with `impl`.
+        replacing the built-in check; None (the default) checks with
+        `mpjax.pallas.all_finite_unscaled` (which only reads the gradients) and divides by
+        the loss scale inside the inner update, where XLA fuses the multiply (and any
+        convert) into the optimizer's own elementwise kernels.
       max_consecutive_skips: the step that would be the N-th non-finite step in a row
         raises `TrainingDivergedError` from inside the compiled step (it reaches Python
         as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error and the
         loss scale) instead of training on silently. "auto" (default) is
         `default_max_consecutive_skips(loss_scale)`: the backoffs that take a dynamic
         scale from its top to `min_scale`, plus 25 steps at `min_scale` (49 for the
-        default `DynamicLossScale`; 25 for a static scale). None turns it off.
+        default `DynamicLossScale`; 25 for a static scale), raised on CPU only (on a GPU
+        the raise would cost a device-to-host sync every step; an int raises everywhere).
+        None turns it off.
       check_new_values: whether a step with finite gradients is also skipped when the new
         value of a param would overflow to inf. "auto" checks float16 params (max 65504,
         the one dtype a finite step overflows in practice); True checks every floating
@@ -191,9 +182,9 @@ def loss_scaled(
         under `lax.cond` (on XLA:CPU, selecting over donated buffers costs a copy of the
         optimizer state per step); "auto" uses "cond" on CPU and "select" elsewhere.
         The results are the same.
-      impl: the unscale + finite check: "auto" (the multi-tensor Pallas kernel on CUDA
-        GPUs — one launch per 128 leaves instead of a reduction per leaf — plain XLA
-        elsewhere), "pallas", "interpret" or "xla".
+      impl: the finite check: "auto" (the multi-tensor Pallas kernel on CUDA GPUs — one
+        launch per 128 leaves, reading each gradient once in its own dtype, instead of a
+        reduction per leaf — plain XLA elsewhere), "pallas", "interpret" or "xla".
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -236,16 +227,9 @@ def loss_scaled(
             f"got {max_consecutive_skips!r}"
         )
     inner = optax.with_extra_args_support(inner)
-    if unscale_and_check is None:
-        # Imported here: the kernels build on this module's XLA reference.
-        from mpjax.pallas.dispatch import IMPLS
-        from mpjax.pallas.unscale import unscale_and_check as kernel
-
-        if impl not in IMPLS:
-            raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
-        check = functools.partial(kernel, impl=impl)
-    else:
-        check = unscale_and_check
+    if unscale_and_check is None and impl not in IMPLS:
+        raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
+    lazy_unscale = unscale_and_check is None
 
     def init_fn(params):
         _check_param_dtypes(params)
@@ -278,13 +262,21 @@ def loss_scaled(
         # NoOpLossScale neither scales nor checks: the step is the inner step (no extra
         # bytes). Decided by the state's scale, which `with_loss_scale` may have replaced.
         checks = not isinstance(state.loss_scale, NoOpLossScale)
-        limit = max_consecutive_skips
+        limit, on_cpu_only = max_consecutive_skips, False
         if limit == "auto":
             limit = default_max_consecutive_skips(state.loss_scale) if checks else None
+            # The in-step raise needs a branch and a host callback; on GPU that is a
+            # device-to-host sync every step, so the default raises on CPU only.
+            on_cpu_only = True
+        scale = state.loss_scale.loss_scale
+        # The default check only reads the gradients; they are unscaled inside `take_step`.
+        unscale_in_step = checks and lazy_unscale
         if not checks:
-            unscaled, grads_finite = state.loss_scale.unscale(grads), jnp.array(True)
+            step_in, grads_finite = grads, jnp.array(True)
+        elif lazy_unscale:
+            step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=impl)
         else:
-            unscaled, grads_finite = check(grads, state.loss_scale.loss_scale)
+            step_in, grads_finite = unscale_and_check(grads, scale)
         grads_finite = jnp.asarray(grads_finite, jnp.bool_)
         if checks and axis_name is not None:
             grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
@@ -313,8 +305,11 @@ def loss_scaled(
             same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
             return jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
 
-        def take_step(unscaled):
+        def take_step(step_in):
             """The step on finite gradients: (updates, inner state, master, values finite)."""
+            # Unscaled here, so the multiply fuses into the inner update's kernels instead of
+            # writing an unscaled copy of every gradient.
+            unscaled = unscale_tree(step_in, scale) if unscale_in_step else step_in
             view = _view(params, state.master)
             inner_grads = jax.tree.map(
                 lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
@@ -356,8 +351,8 @@ def loss_scaled(
                 new_inner = select_tree(ok, new_inner, state.inner_state)
             return updates, new_inner, new_master, ok
 
-        def skip_step(unscaled):
-            del unscaled
+        def skip_step(step_in):
+            del step_in
             updates = jax.tree.map(
                 lambda p: (
                     jnp.full(p.shape, -0.0, _wide_dtype(p.dtype))
@@ -368,32 +363,32 @@ def loss_scaled(
             )
             return updates, state.inner_state, state.master, jnp.array(False)
 
-        def by_cond(unscaled):
-            return jax.lax.cond(grads_finite, take_step, skip_step, unscaled)
+        def by_cond(step_in):
+            return jax.lax.cond(grads_finite, take_step, skip_step, step_in)
 
-        def by_select(unscaled):
-            return select_tree(grads_finite, take_step(unscaled), skip_step(unscaled))
+        def by_select(step_in):
+            return select_tree(grads_finite, take_step(step_in), skip_step(step_in))
 
         if not checks:  # nothing to skip on (a float16 overflow check may still skip)
-            updates, new_inner, new_master, ok = take_step(unscaled)
+            updates, new_inner, new_master, ok = take_step(step_in)
             floating = [p for p in jax.tree.leaves(params) if _is_floating(p)]
             if not any(_checks_new_value(p, check_new_values) for p in floating):
                 # Nothing can skip: the counters are forwarded, not recomputed, so the
                 # step is exactly the inner step.
                 return updates, state._replace(inner_state=new_inner, master=new_master)
         elif skip_impl == "cond":
-            updates, new_inner, new_master, ok = by_cond(unscaled)
+            updates, new_inner, new_master, ok = by_cond(step_in)
         elif skip_impl == "select":
-            updates, new_inner, new_master, ok = by_select(unscaled)
+            updates, new_inner, new_master, ok = by_select(step_in)
         else:
             updates, new_inner, new_master, ok = jax.lax.platform_dependent(
-                unscaled, cpu=by_cond, default=by_select
+                step_in, cpu=by_cond, default=by_select
             )
         finite = jnp.logical_and(grads_finite, ok)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
         if limit is not None:
-            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
+            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, limit, on_cpu_only)
         new_state = LossScaledState(
             inner_state=new_inner,
             master=new_master,
@@ -407,7 +402,18 @@ def loss_scaled(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
+def _raise_if_diverged(
+    consecutive: jax.Array, scale: jax.Array, limit: int, on_cpu_only: bool
+) -> None:
+    if on_cpu_only:
+        jax.lax.platform_dependent(
+            consecutive,
+            scale,
+            cpu=lambda n, s: _raise_if_diverged(n, s, limit, False),
+            default=lambda n, s: None,
+        )
+        return
+
     def fail(n, s):
         # Under vmap, lax.cond becomes a select and this runs on every step: check again.
         n, s = np.asarray(n), np.asarray(s)
