@@ -262,7 +262,7 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
             initial_scale=config.initial_scale,
             growth_interval=config.growth_interval,
         ),
-        max_consecutive_skips=max_consecutive_skips_for(config.precision),
+        max_consecutive_skips=max_consecutive_skips_for(base),
     )
 
     def loss(params, tokens):
