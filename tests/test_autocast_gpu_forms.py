@@ -85,14 +85,20 @@ def test_convs_forward_and_backward_take_and_return_bf16():
         assert dtypes(e.invars) == [BF16, BF16] and dtypes(e.outvars) == [BF16], e
 
 
-def test_gemms_accumulate_in_float32_on_bf16_operands_and_convert():
+def test_gemms_take_and_return_bf16():
+    """GEMMs are bound as Flax's bf16 `Dense` binds them: bf16 in, bf16 out.
+
+    Every XLA backend accumulates a bf16 GEMM in float32; a `preferred_element_type=float32`
+    request makes XLA:GPU write a float32 result and convert it in a separate pass (the
+    GPT-2 train step was 1.021x the Flax bf16 roofline on the H100 cost model).
+    """
     params, tokens, loss = lm_setup()
     jaxpr = jax.make_jaxpr(mpjax.autocast(loss, POLICY))(params, tokens)
     dots = named(jaxpr, "dot_general")
     assert len(dots) == 2
     for e in dots:
         assert dtypes(e.invars) == [BF16, BF16], e
-        assert e.params["preferred_element_type"] == F32 and dtypes(e.outvars) == [F32]
+        assert e.params["preferred_element_type"] is None and dtypes(e.outvars) == [BF16], e
     grad = jax.make_jaxpr(jax.grad(mpjax.autocast(loss, POLICY)))(params, tokens)
     for e in named(grad, "dot_general"):
         assert dtypes(e.invars) == [BF16, BF16], e

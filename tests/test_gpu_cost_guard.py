@@ -38,7 +38,6 @@ POLICY_FIX = "issue 14: fixed by gpu-policy"
 SCALING_FIX = "issue 14: fixed by gpu-scaling"
 KNOWN_FAILING = {
     ("resnet", "fp16-scaled", "convert-kernels"): SCALING_FIX,
-    ("lm", "autocast", "roofline"): POLICY_FIX,
     ("lm", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
     ("lm", "fp16-scaled", "roofline"): POLICY_FIX + " and gpu-scaling",
     ("lm", "fp16-scaled", "convert-kernels"): SCALING_FIX,

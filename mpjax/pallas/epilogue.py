@@ -116,6 +116,30 @@ def _activate(z: jax.Array, activation: str) -> jax.Array:
     return z
 
 
+@jax.custom_jvp
+def _pinned_relu(z: jax.Array) -> jax.Array:
+    """`max(z, 0)`, materialised, with a derivative that reads that output (`out > 0`).
+
+    The output is the next layer's input, kept for the backward pass anyway. Pinning it
+    (an optimization barrier) and deriving the mask from it makes it the one saved buffer:
+    with `jax.nn.relu` (mask `z > 0`), XLA:GPU writes the pre-activation `z` beside the
+    output and recomputes the output from `z` in its consumers, one more activation-sized
+    buffer per residual block held until the backward pass.
+    """
+    return _max0_pinned(z)
+
+
+def _max0_pinned(z: jax.Array) -> jax.Array:
+    return jax.lax.optimization_barrier(jnp.maximum(z, jnp.zeros((), z.dtype)))
+
+
+@_pinned_relu.defjvp
+def _pinned_relu_jvp(primals, tangents):
+    (z,), (t,) = primals, tangents
+    out = _max0_pinned(z)
+    return out, jnp.where(out > 0, t, jnp.zeros_like(t))
+
+
 def _activate_grad(z: jax.Array, g: jax.Array, activation: str) -> jax.Array:
     """The cotangent of `z` given the cotangent `g` of `act(z)`, as JAX's autodiff forms it."""
     if activation == "relu":
@@ -134,9 +158,11 @@ def conv_epilogue_reference(y, scale, shift, residual=None, *, activation="relu"
     if residual is not None:
         z = z + residual.astype(cd)
     if activation in _COMMUTES_WITH_ROUNDING:
-        # relu(round(z)) == round(relu(z)) exactly; activating after the cast makes JAX save
-        # the pre-activation for the backward pass in `out_dtype`, not float32.
-        return _activate(z.astype(out_dtype), activation)
+        # relu(round(z)) == round(relu(z)) exactly; activating after the cast keeps the
+        # backward pass in `out_dtype`, not float32. The relu's mask is read from its
+        # output (see `_pinned_relu`).
+        z = z.astype(out_dtype)
+        return _pinned_relu(z) if activation == "relu" else z
     return _activate(z, activation).astype(out_dtype)
 
 

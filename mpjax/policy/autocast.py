@@ -5,8 +5,8 @@ and re-evaluated equation by equation, each primitive rebound with operands cast
 rules of an `OpLists`:
 
 * `lower_precision` ops (`dot_general`, `conv_general_dilated`) take compute-dtype operands
-  and return the compute dtype; GEMMs accumulate in float32 (`preferred_element_type`),
-  convolutions are bound with a compute-dtype result (see `lower_precision_op`);
+  and return the compute dtype, accumulating in float32 (the backends' low-precision GEMMs
+  and convolutions accumulate in float32; see `lower_precision_op`);
 * a compute-dtype value normalised by broadcast float32 statistics (BatchNorm, LayerNorm)
   is computed in float32 and counts as the compute dtype (see `_continues_narrow`); rows
   gathered from a floating argument (an embedding table) are gathered in the compute dtype;
@@ -64,12 +64,15 @@ _FULL = np.dtype(np.float32)
 # Bilinear ops whose low-precision form gets a custom JVP (see `lower_precision_op`).
 _BILINEAR = frozenset({"dot_general", "conv_general_dilated"})
 
-# Ops whose float32 accumulation request makes XLA:GPU widen the whole op to float32
-# (a float32 cuDNN convolution on converted operands). Their low-precision form already
-# accumulates in float32 (cuDNN, XLA:CPU and TPU convolutions all do), so autocast asks
-# for a compute-dtype result. GEMMs keep the request: XLA:GPU honours it with a
-# low-precision cuBLAS/Triton GEMM that writes the float32 result (or fuses the convert).
-_WIDENED_BY_ACCUMULATION = frozenset({"conv_general_dilated"})
+# The accumulation dtype that low-precision (bf16/fp16) GEMMs and convolutions get without
+# asking: cuBLAS/Triton GEMMs and cuDNN convolutions on XLA:GPU, the TPU MXU and XLA:CPU
+# (which upcasts) all accumulate in float32 and round the result once. Autocast binds them
+# with a compute-dtype result, as Flax's `Dense(dtype=bfloat16)` and torch.autocast do.
+# Asking explicitly (`preferred_element_type=float32`, then a convert) costs on XLA:GPU: a
+# convolution becomes a float32 cuDNN convolution on converted operands, and a GEMM writes
+# a float32 result that a separate pass converts (GPT-2 train step on the H100 cost model:
+# 1.021x the roofline of the Flax bf16 model, 0.4 ms of it in the q/k/v bias adds).
+_IMPLICIT_ACCUMULATION = np.dtype(np.float32)
 
 # Elementwise ops that continue a normalisation (see `_continues_narrow`).
 _NARROW_CHAIN = frozenset(
@@ -254,20 +257,19 @@ def _continues_narrow(ctx: _Ctx, name: str, vals: list, origins: list, strong: l
 def lower_precision_op(ctx: _Ctx, prim, params, vals: list) -> list:
     """Binds a lower-precision op (dot_general, conv, ...) on compute-dtype operands.
 
-    The one place autocast lowers matmul-like ops. Returns compute-dtype outputs. When
-    `ctx.accum` asks for a wider accumulation, a GEMM is bound with
-    `preferred_element_type=accum` and converted (XLA:GPU runs it as a low-precision GEMM
-    with a float32 result, fusing the convert), with a custom JVP whose derivative ops are
-    compute-dtype too; an op in `_WIDENED_BY_ACCUMULATION` (convolution) is bound with a
-    compute-dtype result, since the float32 request would make XLA:GPU run it in float32
-    on converted operands while the low-precision form accumulates in float32 anyway.
+    The one place autocast lowers matmul-like ops. Returns compute-dtype outputs. A float32
+    accumulation (the default) is what the backends' low-precision ops do anyway, so the op
+    is bound with a compute-dtype result (see `_IMPLICIT_ACCUMULATION`). Another
+    accumulation dtype is asked for explicitly: the op is bound with
+    `preferred_element_type=accum` and converted, with a custom JVP whose derivative ops are
+    compute-dtype too.
     """
     compute = ctx.compute
     accumulate = (
         ctx.accum is not None
         and ctx.accum != compute
+        and ctx.accum != _IMPLICIT_ACCUMULATION
         and "preferred_element_type" in params
-        and prim.name not in _WIDENED_BY_ACCUMULATION
     )
     if not accumulate:
         if "preferred_element_type" in params:
@@ -327,16 +329,17 @@ def autocast(
 
     `fun` (any JAX function: a Flax `apply`, a Haiku or Equinox forward, plain `jnp` code) is
     traced to a jaxpr at each call and re-evaluated with casts: ops in
-    `op_lists.lower_precision` take `policy.compute_dtype` operands and accumulate in
-    `accumulation_dtype`; ops in `op_lists.fp32` run in float32; other ops run in the widest
-    dtype of their floating inputs; integers and booleans are never cast. A constant cast
-    to a narrower dtype saturates to its finite range (a `finfo(float32).min` mask stays
-    finite); a value computed from the arguments overflows to inf. It recurses into
-    `jit`, `custom_jvp`, `scan`, `while`, `cond` and `checkpoint`; `custom_vjp` functions keep
-    their own rules and traced dtypes. Array arguments (and their gradients) keep their dtype;
-    other arguments (Python scalars, strings, flags) are static. Floating outputs are cast to
-    `policy.output_dtype`. Composes with `jax.jit`, `jax.grad` and `jax.vmap`. `fun` is traced
-    with `jax.make_jaxpr` at every call, so, as under `jax.jit`, it cannot branch on array
+    `op_lists.lower_precision` take `policy.compute_dtype` operands, accumulate in
+    `accumulation_dtype` and return the compute dtype; ops in `op_lists.fp32` run in
+    float32; other ops run in the widest dtype of their floating inputs; integers and
+    booleans are never cast. A constant cast to a narrower dtype saturates to its finite
+    range (a `finfo(float32).min` mask stays finite); a value computed from the arguments
+    overflows to inf. It recurses into `jit`, `custom_jvp`, `scan`, `while`, `cond` and
+    `checkpoint`; `custom_vjp` functions keep their own rules and traced dtypes. Array
+    arguments (and their gradients) keep their dtype; other arguments (Python scalars,
+    strings, flags) are static. Floating outputs are cast to `policy.output_dtype`.
+    Composes with `jax.jit`, `jax.grad` and `jax.vmap`. `fun` is traced with
+    `jax.make_jaxpr` at every call, so, as under `jax.jit`, it cannot branch on array
     values; wrap the result in `jax.jit` to trace once.
 
     Args:
@@ -345,8 +348,11 @@ def autocast(
         (`param_dtype` is not: arguments are not cast). `output_dtype` applies where values
         leave `fun`, as it applies at the boundary of the model for `apply_policy`.
       op_lists: an `OpLists`; defaults to `OpLists()`.
-      accumulation_dtype: `preferred_element_type` of lower-precision ops, or `None` to
-        leave accumulation to the backend (the op then returns the compute dtype directly).
+      accumulation_dtype: the accumulation dtype of lower-precision ops. float32 (the
+        default) is what every XLA backend's bf16/fp16 GEMMs and convolutions do, so the ops
+        are bound with a compute-dtype result (no float32 output to convert); `None` leaves
+        accumulation to the backend (the same binding); another dtype is requested with
+        `preferred_element_type` and the result converted to the compute dtype.
       fp8: an `Fp8Recipe` (tensorwise or rowwise scaling) to run eligible `dot_general`s
         as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`); the other
         lower-precision ops keep the compute dtype.

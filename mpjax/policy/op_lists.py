@@ -32,7 +32,7 @@ STRUCTURAL_PRIMITIVES: frozenset[str] = frozenset(
     {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "scan", "while", "cond", "remat2"}
 )
 
-# Matmul-like ops: compute-dtype operands, float32 accumulation (`preferred_element_type`).
+# Matmul-like ops: compute-dtype operands and result, float32 accumulation.
 DEFAULT_LOWER_PRECISION: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
 
 # Precision-sensitive ops: run in float32 (or wider, if an input is wider).
