@@ -12,8 +12,12 @@ Each optimizer step (update + apply_updates, gradients given) of a 120-leaf mode
 with `jax.jit(...).trace(...).lower().compile()` for the target described by
 `benchmarks/h100.txtpb`, and read by the GPU cost model's HLO analysis (`benchmarks/hlo_cost.py`,
 the same as `benchmarks/gpu_cost_model.py`): kernels, bytes accessed, temp memory and roofline.
-Without the plugin, `run()` runs this script with the python of `$MPJAX_GPU_AOT_PYTHON`, or
-reports itself skipped. `--json PATH` writes the result (rows and per-pattern figures).
+The full fp16 train step of `benchmarks/step_overhead.py`'s MLP (60 Dense layers, float32
+params, float16 compute, donated) is compiled the same way for the bare optax step, mpjax's
+default, mpjax with `impl="pallas"` and the Flax DynamicScale / optax.apply_if_finite / jmp
+patterns. Without the plugin, `run()` runs this script with the python of
+`$MPJAX_GPU_AOT_PYTHON`, or reports itself skipped. `--json PATH` writes the result (rows
+and per-pattern figures).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import mpjax  # noqa: E402
+from benchmarks import step_overhead  # noqa: E402
 from benchmarks.common import format_text  # noqa: E402
 from benchmarks.gpu_cost_model import (  # noqa: E402
     compile_step,
@@ -49,7 +54,7 @@ COLUMNS = [
     "params",
     "kernels",
     "MB accessed",
-    "bytes vs optax.adam",
+    "bytes vs bare step",
     "temp MiB",
     "roofline us",
 ]
@@ -109,8 +114,52 @@ def _measure(step, init, params, grads, sharding) -> dict:
     return measure(compiled)
 
 
+def _pallas_train_step(state, batch):
+    """`step_overhead.mpjax_step` with the check forced onto the Pallas kernel."""
+    params, opt_state = state
+    tx = mpjax.loss_scaled(optax.adam(step_overhead.LR), impl="pallas")
+
+    def scaled(p):
+        loss = step_overhead.loss_fn(p, batch)
+        return mpjax.scale_loss(loss, opt_state), loss
+
+    grads, loss = jax.grad(scaled, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+
+def _train_step_rows(sharding, quick: bool) -> tuple[list, list]:
+    """The full fp16 train step (`benchmarks/step_overhead.py`'s MLP, f32 params, fp16
+    compute, donated) per loss-scaling pattern: rows and details, bytes vs the bare step."""
+    so = step_overhead
+    cfg = dict(so.QUICK if quick else so.FULL)
+    params = jax.eval_shape(lambda: so.init_params(jax.random.key(0), cfg["depth"], cfg["width"]))
+    batch = (jax.ShapeDtypeStruct((cfg["batch"], cfg["width"]), jnp.float32),) * 2
+    variants = {name: v for name, v in so.variants().items() if name != so.FP16_PARAMS}
+    variants[f"{so.MPJAX} impl='pallas'"] = (so.mpjax_init, _pallas_train_step)
+    rows, details, base = [], [], None
+    for name, (init, step) in variants.items():
+        state = jax.eval_shape(init, params)
+        figures = measure(compile_step(step, (state, batch), sharding))
+        base = base or figures
+        pattern = f"full fp16 train step: {name}"
+        details.append({"pattern": pattern, "params": "f32, fp16 compute", **figures})
+        rows.append(
+            [
+                pattern,
+                "f32, fp16 compute",
+                figures["kernels"],
+                round(figures["bytes"] / 1e6, 2),
+                round(figures["bytes"] / base["bytes"], 3),
+                round(figures["temp_bytes"] / 2**20, 2),
+                round(figures["roofline_s"] * 1e6, 1),
+            ]
+        )
+    return rows, details
+
+
 def run(quick: bool = False) -> dict:
-    """Kernels and bytes per step for each pattern; see the module docstring."""
+    """Kernels and bytes per optimizer step and per full fp16 train step (module docstring)."""
     if not plugin_available():
         return delegate_to_gpu_aot(Path(__file__), quick)
     sharding = h100_sharding()
@@ -123,8 +172,8 @@ def run(quick: bool = False) -> dict:
     def carry_params(params):
         return (params, jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
 
-    xla_scaled = mpjax.loss_scaled(adam, impl="xla")
-    pallas_scaled = mpjax.loss_scaled(adam)  # default impl="auto": the Pallas kernel on CUDA
+    pallas_scaled = mpjax.loss_scaled(adam, impl="pallas")
+    default_scaled = mpjax.loss_scaled(adam)  # impl="auto": the grouped XLA check
     cases = [
         ("optax.adam (no loss scaling)", "f32", _optax_step(adam), f32, f32),
         (
@@ -141,17 +190,17 @@ def run(quick: bool = False) -> dict:
             f32,
             f32,
         ),
-        ("mpjax.loss_scaled(adam, impl='xla')", "f32", _optax_step(xla_scaled), f32, f32),
-        ("mpjax.loss_scaled(adam) (default, Pallas)", "f32", _optax_step(pallas_scaled), f32, f32),
+        ("mpjax.loss_scaled(adam) (default)", "f32", _optax_step(default_scaled), f32, f32),
+        ("mpjax.loss_scaled(adam, impl='pallas')", "f32", _optax_step(pallas_scaled), f32, f32),
         (
-            "mpjax.loss_scaled(adam, impl='xla')",
+            "mpjax.loss_scaled(adam) (default)",
             "bf16 + f32 master",
-            _optax_step(xla_scaled),
+            _optax_step(default_scaled),
             bf16,
             bf16,
         ),
         (
-            "mpjax.loss_scaled(adam) (default, Pallas)",
+            "mpjax.loss_scaled(adam, impl='pallas')",
             "bf16 + f32 master",
             _optax_step(pallas_scaled),
             bf16,
@@ -174,6 +223,9 @@ def run(quick: bool = False) -> dict:
                 round(figures["roofline_s"] * 1e6, 1),
             ]
         )
+    step_rows, step_details = _train_step_rows(sharding, quick)
+    rows += step_rows
+    details += step_details
     return {
         "title": TITLE,
         "columns": COLUMNS,
@@ -185,7 +237,9 @@ def run(quick: bool = False) -> dict:
             f"{jax.__version__}, read by benchmarks/hlo_cost.py (kernels: every fusion, custom "
             "call and unfused op the program launches; bytes: operands + result per kernel). "
             "Targets for the loss-scaled step: <= 1.15x the bare step's bytes and <= 130 "
-            "kernels for 120 leaves."
+            "kernels for 120 leaves. 'full fp16 train step' rows: forward + backward + Adam "
+            "of benchmarks/step_overhead.py's MLP (float32 params, float16 compute, state "
+            "donated), bytes vs its bare optax step; target for mpjax's default <= 1.05x."
         ),
         "details": details,
         "n_leaves": n_leaves,

@@ -91,18 +91,71 @@ def test_bad_input_is_named():
         all_finite_unscaled({"a": jnp.ones(3)}, 2.0, impl="triton")
 
 
-def test_loss_scaled_default_writes_no_unscaled_copy_on_cuda():
-    """The default step's only kernel is the read-only check: no float32 copy of the grads."""
-    tx = mpjax.loss_scaled(optax.adam(1e-3))
-    params = {"w": jnp.ones((64, 32), jnp.bfloat16), "b": jnp.ones((32,), jnp.float32)}
+def _cuda_step_text(tx, params):
     state = tx.init(params)
 
     def step(grads, state, params):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    lowered = jax.jit(step).trace(params, state, params).lower(lowering_platforms=("cuda",))
-    calls = [line for line in lowered.as_text().splitlines() if TRITON in line]
+    return jax.jit(step).trace(params, state, params).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_loss_scaled_pallas_impl_writes_no_unscaled_copy_on_cuda():
+    """impl="pallas": the only kernel is the read-only check, no float32 copy of the grads."""
+    params = {"w": jnp.ones((64, 32), jnp.bfloat16), "b": jnp.ones((32,), jnp.float32)}
+    text = _cuda_step_text(mpjax.loss_scaled(optax.adam(1e-3), impl="pallas"), params)
+    calls = [line for line in text.splitlines() if TRITON in line]
     assert len(calls) == 1 and 'name = "mpjax_all_finite_unscaled"' in calls[0]
     results = calls[0].split(" -> ")[-1]
     assert "f32>" not in results and "bf16>" not in results
+
+
+def test_loss_scaled_default_checks_with_one_reduce_per_group_on_cuda():
+    """The default check on CUDA is XLA (it fuses the convert of fp16 grads): no custom call,
+    and 40 leaves of two sizes take two reductions, not one per leaf."""
+    params = {f"l{i}": {"k": jnp.ones((64, 64)), "b": jnp.ones((64,))} for i in range(20)}
+    text = _cuda_step_text(mpjax.loss_scaled(optax.adam(1e-3)), params)
+    assert TRITON not in text
+    # The 20 kernels (4096 elements each) form one group, the 20 biases another.
+    assert text.count("stablehlo.reduce(") + text.count("stablehlo.reduce ") <= 3, text.count(
+        "reduce"
+    )
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_grouped_check_row_stage_and_chunks_match_float64(monkeypatch, where, bad):
+    """Large 2-D leaves (reduced per row first), more same-sized leaves than one reduce takes,
+    float64 and half leaves: the flag is float64's, wherever the inf/NaN sits."""
+    from mpjax.pallas import grouped_check
+
+    monkeypatch.setattr(grouped_check, "MAX_OPERANDS", 4)
+    rng = np.random.default_rng(2)
+    shapes = [(100, 90)] * 5 + [(100,)] * 6 + [(9000,), (3, 4, 700)]
+    dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float32, jnp.float16] + [jnp.float32] * 8
+    grads = _grads(rng, dtypes, shapes)
+    with jax.enable_x64(True):
+        _check_grouped(grads, rng, where, bad)
+
+
+def _check_grouped(grads, rng, where, bad):
+    grads["f64"] = jnp.asarray(rng.standard_normal(7) * 1e300, jnp.float64)
+    fn = jax.jit(xla_all_finite_unscaled)
+    assert bool(fn(grads, jnp.float32(1024.0)))
+    for name in ("g3", "g6", "g12"):  # a large 2-D leaf, a chunk's last small leaf, rank 3
+        g = grads[name].reshape(-1)
+        i = {"first": 0, "middle": g.size // 2, "last": g.size - 1}[where]
+        bad_grads = {**grads, name: g.at[i].set(bad).reshape(grads[name].shape)}
+        assert not bool(fn(bad_grads, jnp.float32(1024.0))), name
+    # float64 leaves are unscaled in float64: 1e300 / 0.5 is finite there.
+    assert bool(fn({"f64": grads["f64"]}, jnp.float32(0.5)))
+    # a finite float32 value whose unscaled value overflows is not finite.
+    assert not bool(fn({**grads, "g3": grads["g3"].at[5, 5].set(3e38)}, jnp.float32(0.5)))
+
+
+@pytest.mark.parametrize("bad", [-np.inf, np.inf, np.nan])
+def test_grouped_check_sees_a_one_element_leaf(bad):
+    """A one-element leaf (XLA may fold its reduce to the element itself) still counts."""
+    grads = {"c": jnp.array([bad], jnp.float16), "a": jnp.ones((3,), jnp.bfloat16)}
+    assert not bool(jax.jit(xla_all_finite_unscaled)(grads, jnp.float32(2.0)))

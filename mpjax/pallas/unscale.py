@@ -31,6 +31,7 @@ from mpjax.pallas.common import (
     reciprocal,
 )
 from mpjax.pallas.dispatch import dispatch
+from mpjax.pallas.grouped_check import grouped_all_finite
 
 __all__ = [
     "BLOCK",
@@ -143,7 +144,8 @@ def xla_unscale_and_check(grads: Any, loss_scale: Any) -> tuple[Any, jax.Array]:
 
 
 def xla_all_finite_unscaled(grads: Any, loss_scale: Any) -> jax.Array:
-    """The XLA reference of `all_finite_unscaled` (one reduction per leaf)."""
+    """The XLA form of `all_finite_unscaled`: a few variadic max-|g| reductions (one per group
+    of same-sized leaves, see `mpjax.pallas.grouped_check`), fusing any convert before them."""
     return all_finite_unscaled(grads, loss_scale, impl="xla")
 
 
@@ -169,7 +171,7 @@ def _xla_unscale_leaves(grads: list, scale: jax.Array) -> tuple[list, jax.Array]
 
 
 def _xla_check_leaves(grads: list, scale: jax.Array) -> jax.Array:
-    return _xla_unscale_leaves(grads, scale)[1]
+    return grouped_all_finite(grads, scale)
 
 
 def _all_finite(leaves: list) -> jax.Array:

@@ -160,8 +160,8 @@ def loss_scaled(
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
         replacing the built-in check; None (the default) checks with
-        `mpjax.pallas.all_finite_unscaled` (which only reads the gradients) and divides by
-        the loss scale inside the inner update, where XLA fuses the multiply (and any
+        `mpjax.pallas.all_finite_unscaled` (which only reads the gradients; see `impl`) and
+        divides by the loss scale inside the inner update, where XLA fuses the multiply (and any
         convert) into the optimizer's own elementwise kernels.
       max_consecutive_skips: the step that would be the N-th non-finite step in a row
         raises `TrainingDivergedError` from inside the compiled step (it reaches Python
@@ -182,9 +182,14 @@ def loss_scaled(
         under `lax.cond` (on XLA:CPU, selecting over donated buffers costs a copy of the
         optimizer state per step); "auto" uses "cond" on CPU and "select" elsewhere.
         The results are the same.
-      impl: the finite check: "auto" (the multi-tensor Pallas kernel on CUDA GPUs — one
-        launch per 128 leaves, reading each gradient once in its own dtype, instead of a
-        reduction per leaf — plain XLA elsewhere), "pallas", "interpret" or "xla".
+      impl: the finite check: "auto" and "xla" (the default on every platform) check with
+        a few variadic max-|g| XLA reductions, one per group of same-sized leaves
+        (`mpjax.pallas.grouped_check`), which XLA fuses with whatever produced the
+        gradients (the convert of float16 gradients of float32 params is not
+        materialised); "pallas" (CUDA only) and "interpret" use the multi-tensor Pallas
+        kernel, which reads float32 gradients as fast but cannot absorb a convert before it
+        (a float32 copy of each float16 gradient is written first). The decision is the
+        same: any inf/NaN, or a finite g whose g / loss_scale overflows, skips the step.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
@@ -274,7 +279,10 @@ def loss_scaled(
         if not checks:
             step_in, grads_finite = grads, jnp.array(True)
         elif lazy_unscale:
-            step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=impl)
+            # "auto" is the grouped XLA reduction on every platform: it fuses the convert of
+            # a float16 gradient, which the Pallas custom call cannot absorb.
+            check_impl = "xla" if impl == "auto" else impl
+            step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=check_impl)
         else:
             step_in, grads_finite = unscale_and_check(grads, scale)
         grads_finite = jnp.asarray(grads_finite, jnp.bool_)
