@@ -159,3 +159,26 @@ def test_grouped_check_sees_a_one_element_leaf(bad):
     """A one-element leaf (XLA may fold its reduce to the element itself) still counts."""
     grads = {"c": jnp.array([bad], jnp.float16), "a": jnp.ones((3,), jnp.bfloat16)}
     assert not bool(jax.jit(xla_all_finite_unscaled)(grads, jnp.float32(2.0)))
+
+
+def test_loss_scaled_auto_on_cpu_unscales_before_the_step():
+    """On XLA:CPU "auto" is the eager unscale-then-check step (cheaper there than the lazy one)."""
+    params = {f"w{i}": jnp.ones((64, 32), jnp.float32) for i in range(6)}
+    grads = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+
+    def bytes_of(tx):
+        state = tx.init(params)
+
+        def step(grads, state, params):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        compiled = jax.jit(step).lower(grads, state, params).compile()
+        return compiled.cost_analysis()["bytes accessed"]
+
+    auto = bytes_of(mpjax.loss_scaled(optax.adam(1e-3)))
+    eager = bytes_of(
+        mpjax.loss_scaled(optax.adam(1e-3), unscale_and_check=mpjax.scaling.xla_unscale_and_check)
+    )
+    lazy = bytes_of(mpjax.loss_scaled(optax.adam(1e-3), impl="xla"))
+    assert auto == eager != lazy
