@@ -184,7 +184,8 @@ def loss_scaled(
         The results are the same.
       impl: the finite check: "auto" (default) is "xla" on accelerators and, on XLA:CPU,
         unscales once before the step (`xla_unscale_and_check`: faster there than fusing
-        the multiply into the update). "xla" checks with a few variadic max-|g| XLA reductions, one per group of same-sized leaves
+        the multiply into the update). "xla" checks with a few variadic max-|g| XLA
+        reductions, one per group of same-sized leaves
         (`mpjax.pallas.grouped_check`), which XLA fuses with whatever produced the
         gradients (the convert of float16 gradients of float32 params is not
         materialised); "pallas" (CUDA only) and "interpret" use the multi-tensor Pallas
