@@ -21,6 +21,7 @@ __all__ = [
     "format_table",
     "loss_scale_for",
     "max_consecutive_skips_for",
+    "divergence_check",
     "plot_runs",
     "policy_for",
     "summarise",
@@ -68,10 +69,18 @@ def max_consecutive_skips_for(precision: str) -> int | str | None:
     """`loss_scaled`'s dead-run threshold: the default, or off for the fp16-noscale ablation.
 
     fp16 without scaling skips long runs of steps by design (that is what it shows), so it
-    must not stop; every other precision stops a run that has died.
+    must not stop; every other precision stops a run that has died (see `divergence_check`).
     """
     _check_precision(precision)
     return None if PRECISIONS[precision][1] == "skip-only" else "auto"
+
+
+def divergence_check(precision: str) -> Callable[[Any], None] | None:
+    """`train_loop`'s `check_diverged` for a precision: `raise_if_diverged` on the carry's
+    last item (the optimizer state), or None for the fp16-noscale ablation."""
+    if max_consecutive_skips_for(precision) is None:
+        return None
+    return lambda carry: mpjax.raise_if_diverged(carry[-1])
 
 
 @dataclasses.dataclass
@@ -128,6 +137,7 @@ def train_loop(
     progress: bool = True,
     batch_fault: Callable[[int, Any], Any] | None = None,
     log_every: int = 10,
+    check_diverged: Callable[[Any], None] | None = None,
 ) -> tuple[Any, dict[str, np.ndarray]]:
     """Runs `num_steps` steps of `step_fn` with a tqdm bar showing loss and loss scale.
 
@@ -142,6 +152,8 @@ def train_loop(
       batch_fault: optional `(step, batch) -> batch`, applied on the host before each step
         (e.g. to inject inf/NaN inputs at chosen steps).
       log_every: steps between bar refreshes (each refresh waits for the device).
+      check_diverged: optional `carry -> None` run every `log_every` steps, e.g.
+        `lambda c: mpjax.raise_if_diverged(c[-1])` to stop a dead run.
 
     Returns:
       `(carry, history)`, history holding one numpy array per metric.
@@ -156,6 +168,8 @@ def train_loop(
                 batch = batch_fault(step, batch)
             carry, m = step_fn(carry, batch, np.int32(step))
             metrics.append(m)
+            if check_diverged is not None and (step + 1) % log_every == 0:
+                check_diverged(carry)
             if progress and ((step + 1) % log_every == 0 or step + 1 == num_steps):
                 last = jax.device_get(m)
                 bar.set_postfix(

@@ -39,6 +39,7 @@ def step(params, opt_state):
 for i in range(301):
     params, opt_state, _ = step(params, opt_state)
     if i % 100 == 0:
+        mpjax.raise_if_diverged(opt_state)  # stops a run whose every step is skipped
         m = mpjax.scaling_metrics(opt_state)
         print(
             f"step {i:3d} loss {float(loss_fn(params, x, y)):.4f} "

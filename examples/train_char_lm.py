@@ -37,6 +37,7 @@ from examples.common import (
     DEFAULT_PRECISIONS,
     PRECISIONS,
     RunResult,
+    divergence_check,
     format_table,
     loss_scale_for,
     max_consecutive_skips_for,
@@ -342,6 +343,8 @@ def train(
     """
     corpus = load_corpus() if corpus is None else corpus
 
+    base_precision = "bf16" if config.precision == FP8 else config.precision
+
     def run():
         f = make_train_fns(config) if fns is None else fns
         carry = f.init(jax.random.key(seed))
@@ -353,6 +356,7 @@ def train(
             config.steps,
             desc=f"{config.precision} seed {seed}",
             progress=progress,
+            check_diverged=divergence_check(base_precision),
         )
         return val_bits_per_byte(f, carry[0], corpus, config), history, carry
 

@@ -34,6 +34,7 @@ from examples.common import (
     DEFAULT_PRECISIONS,
     PRECISIONS,
     RunResult,
+    divergence_check,
     format_table,
     loss_scale_for,
     max_consecutive_skips_for,
@@ -351,6 +352,7 @@ def train(
             desc=f"{config.precision} seed {seed}",
             progress=progress,
             batch_fault=batch_fault,
+            check_diverged=divergence_check(config.precision),
         )
         params, batch_stats, opt_state = carry
         acc = accuracy(f, params, batch_stats, data.x_test, data.y_test)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mpjax
 from examples import common, train_char_lm, train_digits, underflow_demo
 
 ALL_PRECISIONS = list(common.PRECISIONS)
@@ -116,6 +117,23 @@ def test_digits_fault_hooks_skip_the_faulty_steps(digits):
     scale = run.history["loss_scale"]
     assert scale[nan_step] == scale[nan_step - 1] / 2
     assert scale[inf_step] == scale[inf_step - 1] / 2
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-noscale"])
+def test_digits_dead_run_stops_unless_skipping_is_the_point(precision, digits):
+    config = train_digits.DigitsConfig(precision=precision, **TINY_DIGITS)  # 50 steps
+
+    def grad_fault(step, grads):  # every step non-finite: a dead run
+        return jax.tree.map(lambda g: g * jnp.nan, grads)
+
+    def run():
+        return train_digits.train(config, seed=0, data=digits, grad_fault=grad_fault)
+
+    if precision == "fp16":  # 49 skips in a row is the default limit: checked at step 50
+        with pytest.raises(mpjax.TrainingDivergedError, match="50 non-finite steps in a row"):
+            run()
+    else:  # the no-scaling ablation skips by design and runs to the end
+        assert run().skipped_steps == config.steps
 
 
 def test_digits_config_rejects_bad_values():

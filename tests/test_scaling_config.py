@@ -103,22 +103,56 @@ def test_default_threshold_covers_the_backoff_to_min_scale():
     assert mpjax.default_max_consecutive_skips(quarter) == 4 + 25
 
 
-def test_all_skipped_run_raises_by_default():
-    ls = DynamicLossScale(initial_scale=2.0**4, max_scale=2.0**4)  # 4 backoffs to 1
-    limit = mpjax.default_max_consecutive_skips(ls)
-    assert limit == 29
-    tx = mpjax.loss_scaled(optax.sgd(0.1), ls)  # no max_consecutive_skips given
+def _dead_run(loss_scale, steps, **kwargs):
+    """`steps` all-NaN steps of a `loss_scaled` SGD on a float16 param; returns the state."""
+    tx = mpjax.loss_scaled(optax.sgd(0.1), loss_scale, **kwargs)
     params = {"w": jnp.ones(4, jnp.float16)}
     state = tx.init(params)
     update = jax.jit(tx.update)
     bad = {"w": jnp.full(4, jnp.nan, jnp.float16)}
-    for _ in range(limit - 1):
+    for _ in range(steps):
         _, state = update(bad, state, params)
+    return tx, state
+
+
+def test_all_skipped_run_raises_at_the_default_limit_on_the_host():
+    ls = DynamicLossScale(initial_scale=2.0**4, max_scale=2.0**4)  # 4 backoffs to 1
+    limit = mpjax.default_max_consecutive_skips(ls)
+    assert limit == 29
+    _, state = _dead_run(ls, limit - 1)  # no max_consecutive_skips given: "auto"
     assert int(state.consecutive_skips) == limit - 1
     assert float(mpjax.get_loss_scale(state)) == 1.0
-    with pytest.raises(RuntimeError, match=f"TrainingDivergedError.*{limit} non-finite steps"):
-        _, state = update(bad, state, params)
-        jax.block_until_ready(state)
+    mpjax.raise_if_diverged(state)  # one short of the limit: no error
+    _, state = _dead_run(ls, limit)
+    with pytest.raises(mpjax.TrainingDivergedError, match=f"{limit} non-finite steps in a row"):
+        mpjax.raise_if_diverged(state)
+    with pytest.raises(mpjax.TrainingDivergedError, match="max_consecutive_skips=5"):
+        mpjax.raise_if_diverged({"opt": state}, max_consecutive_skips=5)  # found in a tree
+
+
+def test_raise_if_diverged_checks_every_replica_and_rejects_traced_state():
+    _, state = _dead_run(StaticLossScale(2.0), 3)
+    replicated = jax.tree.map(lambda x: jnp.stack([x * 0, x]), state)  # pmap-style, one dead
+    with pytest.raises(mpjax.TrainingDivergedError, match="3 non-finite steps"):
+        mpjax.raise_if_diverged(replicated, max_consecutive_skips=3)
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(mpjax.raise_if_diverged)(state)
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        mpjax.raise_if_diverged(state, max_consecutive_skips=0)
+
+
+def test_default_step_has_no_host_callback():
+    # A host callback takes every call off JAX's C++ dispatch path (milliseconds per step
+    # for a few hundred state leaves): the default step must not contain one.
+    def lowered(**kwargs):
+        tx = mpjax.loss_scaled(optax.adam(1e-3), **kwargs)
+        params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
+        grads = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+        return jax.jit(tx.update).lower(grads, tx.init(params), params).as_text()
+
+    assert "callback" in lowered(max_consecutive_skips=7)  # the opt-in in-step raise
+    assert "callback" not in lowered()
+    assert "callback" not in lowered(max_consecutive_skips=None)
 
 
 def test_threshold_off_with_none():

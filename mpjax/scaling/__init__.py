@@ -23,6 +23,7 @@ from mpjax.scaling.model_state import (
 from mpjax.scaling.state_helpers import (
     find_loss_scaled_state,
     get_loss_scale,
+    raise_if_diverged,
     scale_loss,
     scaling_metrics,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "keep_if_skipped",
     "loss_scaled",
     "nonfinite_report",
+    "raise_if_diverged",
     "restore_if_skipped",
     "snapshot_state",
     "StateSnapshot",

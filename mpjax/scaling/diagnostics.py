@@ -10,15 +10,27 @@ import numpy as np
 
 from mpjax.scaling.loss_scale import _is_floating
 
-__all__ = ["NonfiniteReport", "nonfinite_report", "TrainingDivergedError"]
+__all__ = ["NonfiniteReport", "nonfinite_report", "TrainingDivergedError", "diverged_message"]
 
 
 class TrainingDivergedError(RuntimeError):
-    """Raised when `loss_scaled(..., max_consecutive_skips=N)` sees N non-finite steps in a row.
+    """Raised when a run has had too many non-finite (skipped) steps in a row.
 
-    Raised from inside the compiled step, it reaches Python as a `jax.errors.JaxRuntimeError`
-    (a `RuntimeError`) whose message starts with this class's name: catch `RuntimeError`.
+    `mpjax.raise_if_diverged(opt_state)` raises it on the host. With
+    `loss_scaled(..., max_consecutive_skips=N)` it is raised from inside the compiled step
+    and reaches Python as a `jax.errors.JaxRuntimeError` (a `RuntimeError`) whose message
+    starts with this class's name: catch `RuntimeError`.
     """
+
+
+def diverged_message(consecutive: int, limit: int, loss_scale: float) -> str:
+    """The `TrainingDivergedError` message: the skips in a row, the limit and the scale."""
+    return (
+        f"TrainingDivergedError: mpjax.loss_scaled saw {consecutive} non-finite steps in a "
+        f"row (max_consecutive_skips={limit}; loss scale {loss_scale:g}). The model produces "
+        "inf/NaN gradients at every scale: check the loss and the inputs, or find the "
+        "overflowing layer with mpjax.scaling.nonfinite_report(grads)."
+    )
 
 
 @jax.tree_util.register_pytree_with_keys_class

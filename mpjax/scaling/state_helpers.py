@@ -5,10 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
+from mpjax.scaling.config import default_max_consecutive_skips
+from mpjax.scaling.diagnostics import TrainingDivergedError, diverged_message
 from mpjax.scaling.loss_scaled import LossScaledState
 
-__all__ = ["find_loss_scaled_state", "get_loss_scale", "scale_loss", "scaling_metrics"]
+__all__ = [
+    "find_loss_scaled_state",
+    "get_loss_scale",
+    "raise_if_diverged",
+    "scale_loss",
+    "scaling_metrics",
+]
 
 
 def _unwrap(x: Any) -> Any:
@@ -84,3 +93,46 @@ def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
     }
+
+
+def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str = "auto") -> None:
+    """Raises `TrainingDivergedError` if the run has had too many non-finite steps in a row.
+
+    A host-side check, outside `jax.jit`: it reads one counter of the state (a
+    device-to-host copy of a scalar), so the compiled step stays free of host callbacks.
+    Call it where the training loop logs. Under pmap (a replicated state) the largest
+    count over the replicas is checked.
+
+    Args:
+      opt_state: an optimizer state holding a `loss_scaled` state anywhere.
+      max_consecutive_skips: the limit; "auto" (default) is
+        `default_max_consecutive_skips(loss_scale)` (49 for the default
+        `DynamicLossScale`).
+
+    Raises:
+      TrainingDivergedError: when `consecutive_skips >= max_consecutive_skips`.
+      TypeError: when called on traced values (inside `jax.jit`).
+
+    Example:
+      >>> for step in range(steps):
+      ...     params, opt_state = train_step(params, opt_state, batch)
+      ...     if step % 100 == 0:
+      ...         mpjax.raise_if_diverged(opt_state)
+    """
+    state = find_loss_scaled_state(opt_state)
+    limit = max_consecutive_skips
+    if limit == "auto":
+        limit = default_max_consecutive_skips(state.loss_scale)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(
+            f"raise_if_diverged: max_consecutive_skips must be an int >= 1 or 'auto', got {limit!r}"
+        )
+    if isinstance(state.consecutive_skips, jax.core.Tracer):
+        raise TypeError(
+            "raise_if_diverged reads the state on the host: call it outside jax.jit "
+            "(with max_consecutive_skips=N, loss_scaled raises inside the step instead)"
+        )
+    consecutive = int(np.max(np.asarray(state.consecutive_skips)))
+    if consecutive >= limit:
+        scale = float(np.min(np.asarray(state.loss_scale.loss_scale)))
+        raise TrainingDivergedError(diverged_message(consecutive, limit, scale))
