@@ -8,7 +8,11 @@ batch 8, AdamW), state donated:
 - `fp32`: the float32 model (XLA's default precision: TF32 on Ampere and newer);
 - `bf16 hand-written Flax (anchor)`: `dtype=bfloat16, param_dtype=float32`;
 - `apply_policy one-string`, `apply_policy per-module`, `autocast`, `fp16 + loss_scaled`, and
-  for ResNet `ConvBN (auto)` / `ConvBN (xla)`: mpjax's paths (see `train_variants.py`).
+  for ResNet `ConvBN (auto)` / `ConvBN (xla)`: mpjax's paths (see `train_variants.py`);
+- fp8 (rows `lm-fp8 <width>`, the LM at GPT-2-small width and the wide LM of
+  `benchmarks/fp8_cost.py`): `autocast(fp8=Fp8Recipe())` tensorwise and rowwise, delayed
+  scaling through `apply_policy`, and Flax's `Fp8DirectDotGeneralOp` / `Fp8DotGeneralOp`,
+  each against the same hand-written bf16 anchor (the programs of `fp8_cost.FP8_VARIANTS`).
 
 Beside each measured step time the GPU cost model's prediction for an H100
 (`benchmarks/gpu_cost_model.py`: deviceless compile, crude roofline) is printed, both also as a
@@ -57,9 +61,19 @@ VARIANTS = {
     "ConvBN (auto)": "convbn",
     "ConvBN (xla)": "convbn-xla",
 }
+# Row label -> variant name in `fp8_cost.FP8_VARIANTS` (the LM only).
+FP8_LABELS = {
+    ANCHOR: "bf16",
+    "fp8 autocast tensorwise": "fp8-tensorwise",
+    "fp8 autocast rowwise": "fp8-rowwise",
+    "fp8 delayed (apply_policy)": "fp8-delayed",
+    "Flax Fp8DirectDotGeneralOp": "flax-fp8-direct",
+    "Flax Fp8DotGeneralOp": "flax-fp8",
+}
 TIMING = {"full": (5, 10), "quick": (3, 5), "smoke": (2, 2)}  # rounds, steps per round
 
 _MATMUL = re.compile(r"stablehlo\.(?:convolution|dot_general).*->\s*tensor<[^>]*x(\w+)>")
+_FP8_MATMUL = re.compile(r"stablehlo\.(?:convolution|dot_general).*\(tensor<[^>]*xf8[^>]*>")
 
 
 def matmul_dtypes(lowered_text: str) -> dict[str, int]:
@@ -72,6 +86,11 @@ def matmul_dtypes(lowered_text: str) -> dict[str, int]:
     return counts
 
 
+def fp8_matmuls(lowered_text: str) -> int:
+    """Count of convolutions and dot_generals whose first operand is a float8 tensor."""
+    return sum(1 for line in lowered_text.splitlines() if _FP8_MATMUL.search(line))
+
+
 def configs(size: str) -> dict[str, dict]:
     """Model name -> size config (the cost model's sizes for "full" and "quick")."""
     lm_size = "gpt2" if size == "full" else size
@@ -81,7 +100,9 @@ def configs(size: str) -> dict[str, dict]:
     }
 
 
-def predictions(model: str, cfg: dict, names: Sequence[str]) -> dict[str, float]:
+def predictions(
+    model: str, cfg: dict, names: Sequence[str], registry: dict | None = None
+) -> dict[str, float]:
     """Variant -> the cost model's H100 roofline seconds; empty without the CUDA plugin."""
     from benchmarks import gpu_cost_model
 
@@ -89,25 +110,41 @@ def predictions(model: str, cfg: dict, names: Sequence[str]) -> dict[str, float]
         return {}
     sharding = gpu_cost_model.h100_sharding()
     return {
-        name: gpu_cost_model.measure_variant(model, name, cfg, sharding)["roofline_s"]
+        name: gpu_cost_model.measure_variant(model, name, cfg, sharding, registry)["roofline_s"]
         for name in names
     }
 
 
-def measure_model(model: str, cfg: dict, rounds: int, steps: int) -> list[list]:
-    """Times every variant of one model; returns its table rows."""
-    labels = {label: name for label, name in VARIANTS.items() if name in PROGRAMS[model]}
-    programs = {label: PROGRAMS[model][name](cfg) for label, name in labels.items()}
+def measure_model(
+    model: str,
+    cfg: dict,
+    rounds: int,
+    steps: int,
+    registry: dict | None = None,
+    label_map: dict[str, str] = VARIANTS,
+    row_name: str | None = None,
+) -> list[list]:
+    """Times every variant of one model; returns its table rows.
+
+    `registry` maps model -> variant -> program builder (`train_variants.VARIANTS` by
+    default); `label_map` maps row labels to its variant names; `row_name` labels the rows.
+    """
+    registry = registry or PROGRAMS
+    labels = {label: name for label, name in label_map.items() if name in registry[model]}
+    programs = {label: registry[model][name](cfg) for label, name in labels.items()}
     key_init, key_batch = jax.random.split(jax.random.key(0))
     batch = programs[ANCHOR].batch(key_batch)
-    compiled, states, matmuls = {}, {}, {}
+    compiled, states, matmuls, fp8 = {}, {}, {}, {}
     for label, program in programs.items():
         states[label] = program.init(key_init)
         lowered = jax.jit(program.step, donate_argnums=0).lower(states[label], batch)
         matmuls[label] = matmul_dtypes(lowered.as_text())
+        fp8[label] = fp8_matmuls(lowered.as_text())
         compiled[label] = lowered.compile()
     times, losses = time_train_steps(compiled, states, batch, rounds=rounds, steps_per_round=steps)
-    predicted = predictions(model, cfg, list(labels.values()))
+    predicted = predictions(
+        model, cfg, list(labels.values()), None if registry is PROGRAMS else registry
+    )
     items = programs[ANCHOR].items
     rows = []
     for label in programs:
@@ -118,16 +155,17 @@ def measure_model(model: str, cfg: dict, rounds: int, steps: int) -> list[list]:
         low = sum(n for k, n in matmuls[label].items() if k in ("bf16", "f16"))
         rows.append(
             [
-                model,
+                row_name or model,
                 label,
                 s["median"],
                 f"{s['min']:.4g}-{s['max']:.4g}",
-                paired_ratio(times, "fp32", label)["median"],
+                paired_ratio(times, "fp32", label)["median"] if "fp32" in times else "-",
                 paired_ratio(times, ANCHOR, label)["median"],
                 float(np.median(times[label]) * 1e3),
                 pred * 1e3,
                 pred_anchor / pred,
                 f"{low}/{total}",
+                fp8[label],
                 float(losses[label]),
             ]
         )
@@ -142,9 +180,12 @@ def run(quick: bool = False, smoke: bool = False) -> dict:
     rounds, steps = TIMING[size]
     cfgs = configs(size)
     rows = [r for model, cfg in cfgs.items() for r in measure_model(model, cfg, rounds, steps)]
+    rows += fp8_rows(size, rounds, steps)
     device = jax.devices()[0]
     notes = [
-        f"Sizes: resnet {cfgs['resnet']}; lm {cfgs['lm']}. Synthetic data on device, state "
+        f"Sizes: resnet {cfgs['resnet']}; lm {cfgs['lm']}; lm-fp8 rows: "
+        f"{'LM_SIZES gpt2 and wide' if size == 'full' else LM_SIZES['quick']}, vocab "
+        f"{VOCAB[size]}. Synthetic data on device, state "
         f"donated; {rounds} interleaved rounds of {steps} steps per variant.",
         f"Device: {device.device_kind} ({jax.default_backend()}).",
         "Throughput: images/s (ResNet) or tokens/s (LM). 'x fp32' and 'x anchor': paired "
@@ -153,7 +194,8 @@ def run(quick: bool = False, smoke: bool = False) -> dict:
         "n/a without the CUDA plugin); 'predicted x anchor' is anchor ms / variant ms, "
         "comparable with 'x anchor'.",
         "'low-precision matmuls': convolutions and dot_generals with a bf16/f16 result in the "
-        "lowered program.",
+        "lowered program; 'fp8 matmuls': those with float8 operands (on CPU, --smoke, XLA "
+        "emulates them).",
         "Targets on a real GPU: every mpjax path >= 0.99x the anchor; bf16 'x fp32' >= the "
         "anchor's.",
     ]
@@ -175,11 +217,35 @@ def run(quick: bool = False, smoke: bool = False) -> dict:
             "predicted ms (H100 model)",
             "predicted x anchor",
             "low-precision matmuls",
+            "fp8 matmuls",
             "last loss",
         ],
         "rows": rows,
         "notes": " ".join(notes),
     }
+
+
+def fp8_rows(size: str, rounds: int, steps: int) -> list[list]:
+    """The fp8 LM rows: GPT-2-small width and the wide LM; the quick LM otherwise (the
+    smoke LM's GEMMs are below `Fp8Recipe.min_dim`, so nothing would run in fp8)."""
+    from benchmarks.fp8_cost import FP8_VARIANTS
+
+    vocab = VOCAB[size]
+    widths = ("gpt2", "wide") if size == "full" else ("quick",)
+    registry = {"lm": FP8_VARIANTS}
+    return [
+        row
+        for width in widths
+        for row in measure_model(
+            "lm",
+            {**LM_SIZES[width], "vocab": vocab},
+            rounds,
+            steps,
+            registry,
+            FP8_LABELS,
+            row_name=f"lm-fp8 {width}",
+        )
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -267,3 +267,11 @@ def test_gpu_script_smoke_mode_runs_each_precision(capsys):
             assert math.isfinite(row["last loss"]), (model, label, row["last loss"])
         assert rows[(model, "fp32")]["x fp32"] == 1.0
         assert rows[(model, gpu.ANCHOR)]["x anchor"] == 1.0
+    # fp8: every variant timed; the direct forms really feed fp8 operands to their GEMMs,
+    # Flax's quantise-dequantise form none (its GEMMs take bf16).
+    fp8 = {label: row for (m, label), row in rows.items() if m == "lm-fp8 quick"}
+    assert list(fp8) == list(gpu.FP8_LABELS)
+    for label, row in fp8.items():
+        assert math.isfinite(row["last loss"]) and row["items/s (median)"] > 0, label
+        no_fp8 = label in (gpu.ANCHOR, "Flax Fp8DotGeneralOp")
+        assert (row["fp8 matmuls"] == 0) == no_fp8, (label, row["fp8 matmuls"])
