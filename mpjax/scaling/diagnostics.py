@@ -10,7 +10,13 @@ import numpy as np
 
 from mpjax.scaling.loss_scale import _is_floating
 
-__all__ = ["NonfiniteReport", "nonfinite_report", "TrainingDivergedError", "diverged_message"]
+__all__ = [
+    "NonfiniteReport",
+    "nonfinite_report",
+    "TrainingDivergedError",
+    "diverged_message",
+    "raise_in_step_if_diverged",
+]
 
 
 class TrainingDivergedError(RuntimeError):
@@ -116,3 +122,21 @@ def nonfinite_report(tree: Any) -> NonfiniteReport:
         empty = jnp.zeros((0,), jnp.int32)
         return NonfiniteReport((), empty, empty)
     return NonfiniteReport(tuple(paths), jnp.stack(nans), jnp.stack(infs))
+
+
+def raise_in_step_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
+    """Inside a traced step: raises `TrainingDivergedError` (through a host callback) once
+    `consecutive >= limit`. The callback takes the step off JAX's C++ dispatch path."""
+
+    def fail(n, s):
+        # Under vmap, lax.cond becomes a select and this runs on every step: check again.
+        n, s = np.asarray(n), np.asarray(s)
+        if not np.any(n >= limit):
+            return
+        raise TrainingDivergedError(diverged_message(int(np.max(n)), limit, float(np.min(s))))
+
+    jax.lax.cond(
+        consecutive >= limit,
+        lambda: jax.debug.callback(fail, consecutive, scale),
+        lambda: None,
+    )

@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from mpjax.pallas.dispatch import IMPLS
@@ -16,7 +15,7 @@ from mpjax.scaling.checks import (
     _check_param_dtypes,
     _check_same_structure,
 )
-from mpjax.scaling.diagnostics import TrainingDivergedError, diverged_message
+from mpjax.scaling.diagnostics import raise_in_step_if_diverged
 from mpjax.scaling.loss_scale import (
     LossScale,
     NoOpLossScale,
@@ -410,7 +409,7 @@ def loss_scaled(
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
         if limit is not None:
-            _raise_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
+            raise_in_step_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
         new_state = LossScaledState(
             inner_state=new_inner,
             master=new_master,
@@ -422,18 +421,3 @@ def loss_scaled(
         return updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _raise_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
-    def fail(n, s):
-        # Under vmap, lax.cond becomes a select and this runs on every step: check again.
-        n, s = np.asarray(n), np.asarray(s)
-        if not np.any(n >= limit):
-            return
-        raise TrainingDivergedError(diverged_message(int(np.max(n)), limit, float(np.min(s))))
-
-    jax.lax.cond(
-        consecutive >= limit,
-        lambda: jax.debug.callback(fail, consecutive, scale),
-        lambda: None,
-    )
