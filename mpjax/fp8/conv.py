@@ -22,6 +22,7 @@ Every other convolution keeps the compute dtype; `mpjax.fp8.fp8_ops` reports whi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from jax import lax
 from mpjax.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
-__all__ = ["CONV_FALLBACK", "conv_gemm_site", "fp8_conv_1x1"]
+__all__ = ["CONV_FALLBACK", "conv_gemm_site", "fp8_conv_1x1", "gemm_reason"]
 
 GEMM_DIMS = (((1,), (0,)), ((), ()))
 # Why a convolution that is not 1x1 keeps the compute dtype (see the module docstring).
@@ -84,11 +85,23 @@ def conv_gemm_site(recipe: Fp8Recipe, name: str, lhs_shape, rhs_shape, params):
         return None, reason
     lhs, rhs = _gemm_shapes(lhs_shape, rhs_shape, params)
     site = Fp8Site(name, lhs, rhs, GEMM_DIMS, kind="conv")
+    reason = gemm_reason(recipe, site)
+    return (None, reason) if reason else (site, None)
+
+
+def gemm_reason(recipe: Fp8Recipe, site: Fp8Site) -> str | None:
+    """Why `fp8_eligible(recipe, site)` is False, or None if it is True.
+
+    Sizes first, then the user's exclusions (called once per size-eligible site).
+    """
+    if not fp8_eligible(dataclasses.replace(recipe, exclude=(), exclude_if=None), site):
+        if site.dimension_numbers[1][0]:
+            return "batched dot_general (e.g. attention): stays in the compute dtype"
+        shapes = f"GEMM {site.lhs_shape} x {site.rhs_shape}"
+        return f"{shapes}: sizes below min_dim or not multiples of 16"
     if recipe.excludes(site):
-        return None, "excluded by the recipe's exclude / exclude_if"
-    if not fp8_eligible(recipe, site):
-        return None, f"GEMM {lhs} x {rhs}: sizes below min_dim or not multiples of 16"
-    return site, None
+        return "excluded by the recipe's exclude / exclude_if"
+    return None
 
 
 def fp8_conv_1x1(lhs, rhs, params: dict, recipe: Fp8Recipe, compute_dtype: Any):

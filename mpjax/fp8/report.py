@@ -9,8 +9,7 @@ import jax
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
-from mpjax.fp8.conv import conv_gemm_site
-from mpjax.fp8.dot import fp8_eligible
+from mpjax.fp8.conv import conv_gemm_site, gemm_reason
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = ["Fp8Op", "fp8_ops"]
@@ -39,16 +38,6 @@ class Fp8Op(NamedTuple):
     reason: str
 
 
-def _dot_reason(recipe: Fp8Recipe, site: Fp8Site) -> str:
-    if fp8_eligible(recipe, site):
-        return ""
-    if site.dimension_numbers[1][0]:
-        return "batched dot_general (e.g. attention): stays in the compute dtype"
-    if recipe.excludes(site):
-        return "excluded by the recipe's exclude / exclude_if"
-    return "sizes below min_dim or not multiples of 16"
-
-
 def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
@@ -60,7 +49,7 @@ def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:
                 reason = "integer operands: not cast"
             elif prim == "dot_general":
                 dims = eqn.params["dimension_numbers"]
-                reason = _dot_reason(recipe, Fp8Site(name, lhs, rhs, dims))
+                reason = gemm_reason(recipe, Fp8Site(name, lhs, rhs, dims)) or ""
             else:
                 reason = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)[1] or ""
             found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason))
