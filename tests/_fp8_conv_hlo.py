@@ -3,7 +3,7 @@
 Prints one JSON object: per program, the cuDNN convolution call targets and the GEMM and
 convolution FLOPs by operand dtype (`benchmarks/hlo_cost.py`) of the optimized HLO:
 
-- `autocast`: `jax.grad` of `autocast(fp8=Fp8Recipe())` over a 1x1 conv then a 3x3 conv;
+- `autocast`: `jax.grad` of `autocast(fp8=Fp8Recipe(convs="1x1"))` over a 1x1 conv then a 3x3 conv;
 - `fwd`, `dgrad`, `wgrad`: the forward, input-gradient and weight-gradient convolutions of
   a 3x3 NHWC/HWIO conv written directly on e4m3 operands (`preferred_element_type=bf16`).
 """
@@ -56,7 +56,7 @@ def main() -> None:
         h = jax.nn.relu(conv(x, w1, ("NHWC", "HWIO", "NHWC"), "VALID"))
         return jnp.mean(conv(h, w3, ("NHWC", "HWIO", "NHWC"), "SAME") ** 2)
 
-    f8 = mpjax.autocast(model, POLICY, fp8=mpjax.Fp8Recipe())
+    f8 = mpjax.autocast(model, POLICY, fp8=mpjax.Fp8Recipe(convs="1x1"))
     out = {"autocast": figures(jax.grad(f8, (0, 1, 2)), x, w1, w3)}
 
     q_x = jax.ShapeDtypeStruct((N, HW, HW, C), E4)

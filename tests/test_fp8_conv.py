@@ -57,13 +57,14 @@ def test_fp8_1x1_conv_gradients_vs_float64(stride, dn, x_shape, w_shape, scaling
     f8 = mpjax.autocast(
         lambda a, b: jnp.sum(conv(a, b, stride, dn).astype(jnp.float32) * r),
         POLICY,
-        fp8=Fp8Recipe(scaling=scaling, min_dim=16),
+        fp8=Fp8Recipe(scaling=scaling, min_dim=16, convs="1x1"),
     )
     gx, gw = jax.jit(jax.grad(f8, (0, 1)))(x, w)
     _, (rx, rw) = f64_grads(ref_fn, x, w)
     assert gx.dtype == jnp.float32 and gw.dtype == jnp.float32
     assert rel_err(gx, rx) < TOL_E5M2 and rel_err(gw, rw) < TOL_E5M2
-    out = mpjax.autocast(lambda a, b: conv(a, b, stride, dn), POLICY, fp8=Fp8Recipe(min_dim=16))
+    rec = Fp8Recipe(min_dim=16, convs="1x1")
+    out = mpjax.autocast(lambda a, b: conv(a, b, stride, dn), POLICY, fp8=rec)
     with jax.enable_x64(True):
         ref_out = conv(x.astype(np.float64), w.astype(np.float64), stride, dn)
     assert rel_err(out(x, w), ref_out) < TOL_E4M3
@@ -79,7 +80,7 @@ def test_non_finite_input_makes_the_fp8_conv_output_non_finite(where, bad):
     x, w = wide(rng, (4, 4, 4, 32)), rng.standard_normal((1, 1, 32, 32)).astype(np.float32)
     flat = x.reshape(-1)
     flat[{"first": 0, "middle": flat.size // 2, "last": -1}[where]] = bad
-    f = mpjax.autocast(conv, POLICY, fp8=Fp8Recipe(min_dim=16))
+    f = mpjax.autocast(conv, POLICY, fp8=Fp8Recipe(min_dim=16, convs="1x1"))
     assert not np.isfinite(np.asarray(f(x, w))).all()  # never a silently finite output
 
 
@@ -106,7 +107,7 @@ def bottleneck_setup():
 
 def test_autocast_runs_1x1_convs_as_fp8_gemms_and_the_others_in_bf16():
     model, params, x = bottleneck_setup()
-    f8 = mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe(min_dim=32))
+    f8 = mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe(min_dim=32, convs="1x1"))
     # forward: the two 1x1 convs are e4m3 GEMMs; the 7x7 and 3x3 convs bf16 convolutions
     assert gemm_operand_dtypes(f8, params, x) == [(E4, E4), (E4, E4)]
     assert conv_operand_dtypes(f8, params, x) == [(BF16, BF16)] * 2
@@ -122,9 +123,11 @@ def test_autocast_runs_1x1_convs_as_fp8_gemms_and_the_others_in_bf16():
         assert rel_err(g, r) < 2 * TOL_E5M2, path  # fp8 layers back to back
 
 
-def test_recipe_convs_none_keeps_every_conv_in_the_compute_dtype():
+def test_default_recipe_keeps_every_conv_in_the_compute_dtype():
+    """convs="none" is the default: fp8 1x1 convs do not pay on ResNet-50 (the cost model)."""
+    assert Fp8Recipe().convs == "none"
     model, params, x = bottleneck_setup()
-    f8 = mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe(min_dim=32, convs="none"))
+    f8 = mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe(min_dim=32))
     loss = lambda p: jnp.mean(f8(p, x) ** 2)  # noqa: E731
     assert gemm_operand_dtypes(jax.grad(loss), params) == []
     assert {d for d in conv_operand_dtypes(jax.grad(loss), params)} == {(BF16, BF16)}
@@ -138,13 +141,15 @@ def test_exclusions_see_a_1x1_conv_as_a_conv_site():
         sites.append(site)
         return site.kind == "conv" and site.name.endswith("expand")
 
-    f8 = mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe(min_dim=32, exclude_if=record))
+    rec = Fp8Recipe(min_dim=32, convs="1x1", exclude_if=record)
+    f8 = mpjax.autocast(model.apply, POLICY, fp8=rec)
     assert gemm_operand_dtypes(f8, params, x) == [(E4, E4)]  # `reduce` only
     assert [(s.kind, s.lhs_shape, s.rhs_shape) for s in sites] == [
         ("conv", (4 * 8 * 8, 64), (64, 32)),  # [N*H*W, C_in] x [C_in, C_out]
         ("conv", (4 * 8 * 8, 32), (32, 64)),
     ]
-    by_path = mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe(min_dim=32, exclude="*/reduce"))
+    rec = Fp8Recipe(min_dim=32, convs="1x1", exclude="*/reduce")
+    by_path = mpjax.autocast(model.apply, POLICY, fp8=rec)
     assert gemm_operand_dtypes(by_path, params, x) == [(E4, E4)]  # `expand` only
 
 
@@ -153,7 +158,7 @@ def test_exclusions_see_a_1x1_conv_as_a_conv_site():
 
 def test_fp8_ops_reports_each_choice_as_autocast_makes_it():
     model, params, x = bottleneck_setup()
-    recipe = Fp8Recipe(min_dim=32)
+    recipe = Fp8Recipe(min_dim=32, convs="1x1")
     ops = fp8_ops(model.apply, recipe, params, x)
     assert [(op.name.split("/")[-1], op.fp8) for op in ops] == [
         ("stem", False),
@@ -167,9 +172,9 @@ def test_fp8_ops_reports_each_choice_as_autocast_makes_it():
     # the report agrees with the program autocast emits
     f8 = mpjax.autocast(model.apply, POLICY, fp8=recipe)
     assert sum(op.fp8 for op in ops) == len(gemm_operand_dtypes(f8, params, x))
-    none = fp8_ops(model.apply, Fp8Recipe(min_dim=32, convs="none"), params, x)
+    none = fp8_ops(model.apply, Fp8Recipe(min_dim=32), params, x)  # the default: convs="none"
     assert not any(op.fp8 for op in none) and "convs='none'" in none[1].reason
-    small = fp8_ops(model.apply, Fp8Recipe(min_dim=128), params, x)
+    small = fp8_ops(model.apply, Fp8Recipe(min_dim=128, convs="1x1"), params, x)
     assert "min_dim" in small[1].reason and not small[1].fp8
 
 

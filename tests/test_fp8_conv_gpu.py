@@ -5,7 +5,7 @@ environment with the `gpu-aot` wheels, as for tests/test_gpu_cost_guard.py), wit
 `JAX_PLATFORMS=cpu`. Without the variable these tests fail under CI (`CI=true`) and are
 skipped elsewhere, saying why.
 
-Checked: under `autocast(fp8=Fp8Recipe())` a 1x1 convolution's forward and both gradient
+Checked: under `autocast(fp8=Fp8Recipe(convs="1x1"))` a 1x1 convolution's forward and both gradient
 GEMMs have fp8 operands in the optimized HLO and the 3x3 convolution stays bf16; and the
 XLA facts behind the fallback (mpjax/fp8/conv.py): a direct e4m3 forward or stride-1
 input-gradient convolution is a cuDNN fp8 graph convolution, while the weight-gradient

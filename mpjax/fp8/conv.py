@@ -15,9 +15,10 @@ What XLA:GPU (jax 0.10.2, H100, default flags, NHWC/HWIO) makes of a float8
   the HYBRID recipe's backward convolutions cannot be written directly.
 
 A 1x1 convolution is a GEMM over the channels (`[N*H*W, C_in] @ [C_in, C_out]`, after
-subsampling the input by the stride), so it runs through `fp8_dot_general`: fp8 GEMMs for
-the forward pass and both gradients, the form XLA compiles to fp8 tensor-core GEMMs.
-Every other convolution keeps the compute dtype; `mpjax.fp8.fp8_ops` reports which.
+subsampling the input by the stride), so with `Fp8Recipe(convs="1x1")` it runs through
+`fp8_dot_general`: fp8 GEMMs for the forward pass and both gradients, the form XLA compiles
+to fp8 tensor-core GEMMs. Every other convolution keeps the compute dtype, as do all of
+them under the default `convs="none"`; `mpjax.fp8.fp8_ops` reports which and why.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def fp8_conv_1x1(lhs, rhs, params: dict, recipe: Fp8Recipe, compute_dtype: Any):
       >>> params = dict(window_strides=(1, 1), padding=((0, 0), (0, 0)), lhs_dilation=(1, 1),
       ...               dimension_numbers=dn, feature_group_count=1, batch_group_count=1)
       >>> fp8_conv_1x1(jnp.ones((8, 4, 4, 64)), jnp.ones((1, 1, 64, 32)), params,
-      ...              Fp8Recipe(min_dim=16), jnp.bfloat16).shape
+      ...              Fp8Recipe(min_dim=16, convs="1x1"), jnp.bfloat16).shape
       (8, 4, 4, 32)
     """
     reason = _not_gemm(np.shape(rhs), params)
