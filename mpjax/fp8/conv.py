@@ -4,15 +4,17 @@ What XLA:GPU (jax 0.10.2, H100, default flags, NHWC/HWIO) makes of a float8
 `lax.conv_general_dilated`, found on deviceless compiles:
 
 - forward, `conv(q_x, q_w, preferred_element_type=bf16)` with two operands of one fp8
-  type: a cuDNN fp8 graph convolution (`__cudnn$convForwardGraph`); the dequantise form
-  `conv(q_x -> f32 * s_x, q_w -> f32 * s_w)` becomes the same graph with the scales fused.
-- input gradient, stride 1: the same fp8 forward graph on the flipped kernel; stride 2:
-  the same on a zero-dilated gradient (4x the multiply-adds of bf16's backward-input conv).
-- weight gradient: always `__cudnn$convBackwardFilter` in bf16, with the fp8 operands
-  converted to bf16 first (direct and dequantise forms alike): XLA's cuDNN fp8 path is
-  graph-mode forward convolutions only.
-- `lax` refuses a convolution of an e5m2 gradient with an e4m3 operand (mixed dtypes), so
-  the HYBRID recipe's backward convolutions cannot be written directly.
+  type (`lax` refuses mixed dtypes): a cuDNN fp8 graph convolution
+  (`__cudnn$convForwardGraph`); the dequantise form `conv(q_x -> f32 * s_x, q_w -> f32 *
+  s_w)` becomes the same graph with the scales fused, e5m2 x e4m3 too.
+- input gradient, stride 1: the same fp8 graph on the flipped kernel, in the direct form or
+  in the dequantise form with the flip applied to the fp8 kernel (`deq(rev(q_w))`; e5m2 x
+  e4m3 too); flipping the dequantised kernel, as jax's transpose rule does, gives a
+  TF32/bf16 `__cudnn$convForward`. Stride 2: an fp8 graph on a zero-dilated gradient (4x
+  the multiply-adds of the bf16 `__cudnn$convBackwardInput`).
+- weight gradient: always `__cudnn$convBackwardFilter` in bf16 (direct form: the fp8
+  operands converted to bf16 first) or f32 (dequantise form), never fp8: XLA's cuDNN fp8
+  path is graph-mode forward convolutions only.
 
 A 1x1 convolution is a GEMM over the channels (`[N*H*W, C_in] @ [C_in, C_out]`, after
 subsampling the input by the stride), so with `Fp8Recipe(convs="1x1")` it runs through
@@ -37,8 +39,8 @@ __all__ = ["CONV_FALLBACK", "conv_gemm_site", "fp8_conv_1x1", "gemm_reason"]
 GEMM_DIMS = (((1,), (0,)), ((), ()))
 # Why a convolution that is not 1x1 keeps the compute dtype (see the module docstring).
 CONV_FALLBACK = (
-    "not a 1x1 convolution: XLA:GPU runs no fp8 weight-gradient convolution (cuDNN "
-    "backward-filter upcasts fp8 to bf16), so it stays in the compute dtype"
+    "not a 1x1 convolution: XLA:GPU runs no fp8 weight-gradient convolution (its cuDNN "
+    "backward-filter conv upcasts fp8), so it stays in the compute dtype"
 )
 
 

@@ -98,9 +98,10 @@ class Fp8Recipe:
         1.041x the bf16 step, 0.987x with `min_dim=512`, against autocast bf16's 0.984x):
         its 1x1 convs are memory bound and current scaling adds amax and quantise passes.
         Other convolutions (3x3, 7x7, grouped, dilated) always keep the compute dtype:
-        XLA:GPU runs no fp8 weight-gradient convolution (its cuDNN backward-filter conv
-        upcasts fp8 operands to bf16) and `lax` refuses a convolution of an e5m2 gradient
-        with an e4m3 operand. `mpjax.fp8.fp8_ops` lists each op's choice and why.
+        XLA:GPU runs fp8 forward and stride-1 input-gradient convolutions (cuDNN fp8
+        graphs) but no fp8 weight-gradient convolution (its cuDNN backward-filter conv
+        upcasts fp8 operands); see `mpjax/fp8/conv.py`. `mpjax.fp8.fp8_ops` lists each
+        op's choice and why.
 
     Raises:
       ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a negative
