@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax.fp8.conv import conv_gemm_site, fp8_conv_1x1
 from mpjax.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
@@ -28,15 +29,20 @@ def check_autocast_recipe(recipe: Any) -> Fp8Recipe | None:
 
 
 def fp8_lower(recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list) -> list | None:
-    """The fp8 GEMM for a `dot_general` equation, or None if it stays in the compute dtype.
+    """The fp8 GEMM for a `dot_general` or 1x1 convolution, or None (compute dtype).
 
     `vals` are the operands in the dtypes they arrived in (float32 masters are quantised
     directly, without a compute-dtype copy); the output is in `compute`.
     """
-    if eqn.primitive.name != "dot_general" or len(vals) != 2:
+    if eqn.primitive.name not in ("dot_general", "conv_general_dilated") or len(vals) != 2:
         return None
     if not all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in vals):
         return None
+    if eqn.primitive.name == "conv_general_dilated":  # 1x1 convs only (mpjax/fp8/conv.py)
+        name, shapes = str(eqn.source_info.name_stack), (np.shape(vals[0]), np.shape(vals[1]))
+        if conv_gemm_site(recipe, name, *shapes, eqn.params)[0] is None:
+            return None
+        return [fp8_conv_1x1(vals[0], vals[1], eqn.params, recipe, compute)]
     dims = eqn.params["dimension_numbers"]
     site = Fp8Site(str(eqn.source_info.name_stack), np.shape(vals[0]), np.shape(vals[1]), dims)
     if not fp8_eligible(recipe, site):

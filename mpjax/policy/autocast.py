@@ -354,8 +354,10 @@ def autocast(
         accumulation to the backend (the same binding); another dtype is requested with
         `preferred_element_type` and the result converted to the compute dtype.
       fp8: an `Fp8Recipe` (tensorwise or rowwise scaling) to run eligible `dot_general`s
-        as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`); the other
-        lower-precision ops keep the compute dtype.
+        as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`), and 1x1
+        convolutions too with `convs="1x1"`; the other lower-precision ops (other
+        convolutions included, see `Fp8Recipe.convs`) keep the compute dtype.
+        `mpjax.fp8.fp8_ops` lists which ops run in fp8.
 
     Returns:
       A function with `fun`'s signature.
