@@ -20,7 +20,6 @@ __all__ = [
     "RunResult",
     "format_table",
     "loss_scale_for",
-    "max_consecutive_skips_for",
     "divergence_check",
     "plot_runs",
     "policy_for",
@@ -65,20 +64,15 @@ def loss_scale_for(
     )
 
 
-def max_consecutive_skips_for(precision: str) -> int | str | None:
-    """`loss_scaled`'s dead-run threshold: the default, or off for the fp16-noscale ablation.
+def divergence_check(precision: str) -> Callable[[Any], None] | None:
+    """`train_loop`'s `check_diverged`: `raise_if_diverged` on the carry's last item.
 
-    fp16 without scaling skips long runs of steps by design (that is what it shows), so it
-    must not stop; every other precision stops a run that has died (see `divergence_check`).
+    The carry's last item is the optimizer state. fp16 without scaling skips long runs of
+    steps by design (that is what it shows), so it gets None; every other precision stops
+    a run that has died.
     """
     _check_precision(precision)
-    return None if PRECISIONS[precision][1] == "skip-only" else "auto"
-
-
-def divergence_check(precision: str) -> Callable[[Any], None] | None:
-    """`train_loop`'s `check_diverged` for a precision: `raise_if_diverged` on the carry's
-    last item (the optimizer state), or None for the fp16-noscale ablation."""
-    if max_consecutive_skips_for(precision) is None:
+    if PRECISIONS[precision][1] == "skip-only":
         return None
     return lambda carry: mpjax.raise_if_diverged(carry[-1])
 
@@ -152,7 +146,8 @@ def train_loop(
       batch_fault: optional `(step, batch) -> batch`, applied on the host before each step
         (e.g. to inject inf/NaN inputs at chosen steps).
       log_every: steps between bar refreshes (each refresh waits for the device).
-      check_diverged: optional `carry -> None` run every `log_every` steps, e.g.
+      check_diverged: optional `carry -> None` run every `log_every` steps and after the
+        last, e.g.
         `lambda c: mpjax.raise_if_diverged(c[-1])` to stop a dead run.
 
     Returns:
@@ -168,9 +163,10 @@ def train_loop(
                 batch = batch_fault(step, batch)
             carry, m = step_fn(carry, batch, np.int32(step))
             metrics.append(m)
-            if check_diverged is not None and (step + 1) % log_every == 0:
+            refresh = (step + 1) % log_every == 0 or step + 1 == num_steps
+            if check_diverged is not None and refresh:
                 check_diverged(carry)
-            if progress and ((step + 1) % log_every == 0 or step + 1 == num_steps):
+            if progress and refresh:
                 last = jax.device_get(m)
                 bar.set_postfix(
                     loss=f"{float(last['loss']):.4f}",

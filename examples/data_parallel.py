@@ -427,6 +427,7 @@ def main(argv=None) -> dict:
             record["master"].append(unreplicated(dp, master))
             record["metrics"].append(m)
         if printing:
+            mpjax.raise_if_diverged(opt_state)  # stops a dead run (every step skipped)
             print(
                 f"step {step:5d}  loss {float(m['loss']):.4f}  "
                 f"scale {float(m['loss_scale']):g}  finite {bool(m['grads_finite'])}  "

@@ -40,7 +40,6 @@ from examples.common import (
     divergence_check,
     format_table,
     loss_scale_for,
-    max_consecutive_skips_for,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -263,7 +262,6 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
             initial_scale=config.initial_scale,
             growth_interval=config.growth_interval,
         ),
-        max_consecutive_skips=max_consecutive_skips_for(base),
     )
 
     def loss(params, tokens):

@@ -37,7 +37,6 @@ from examples.common import (
     divergence_check,
     format_table,
     loss_scale_for,
-    max_consecutive_skips_for,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -205,9 +204,7 @@ def build_optimizer(config: DigitsConfig) -> optax.GradientTransformation:
         initial_scale=config.initial_scale,
         growth_interval=config.growth_interval,
     )
-    return mpjax.loss_scaled(
-        inner, loss_scale, max_consecutive_skips=max_consecutive_skips_for(config.precision)
-    )
+    return mpjax.loss_scaled(inner, loss_scale)
 
 
 class TrainFns(NamedTuple):

@@ -1,5 +1,6 @@
 """Loss-scale API on real use: Python numbers, scalar `adjust`, loggable `get_loss_scale`,
-the dead-run default, one config-driven step for fp32/bf16/fp16, Flax `DynamicScale`."""
+the dead-run check (host-side by default), one config-driven step for fp32/bf16/fp16,
+Flax `DynamicScale`."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_get_loss_scale_is_a_float32_scalar_inside_and_outside_jit():
     assert logged.shape == () and logged.dtype == jnp.float32 and float(logged) == 128.0
 
 
-# --- a dead run stops by default ---
+# --- a dead run stops: raise_if_diverged on the host, or opt-in inside the step ---
 
 
 def test_default_threshold_covers_the_backoff_to_min_scale():
@@ -119,15 +120,33 @@ def test_all_skipped_run_raises_at_the_default_limit_on_the_host():
     ls = DynamicLossScale(initial_scale=2.0**4, max_scale=2.0**4)  # 4 backoffs to 1
     limit = mpjax.default_max_consecutive_skips(ls)
     assert limit == 29
-    _, state = _dead_run(ls, limit - 1)  # no max_consecutive_skips given: "auto"
+    _, state = _dead_run(ls, limit - 1)  # nothing in the step
     assert int(state.consecutive_skips) == limit - 1
     assert float(mpjax.get_loss_scale(state)) == 1.0
     mpjax.raise_if_diverged(state)  # one short of the limit: no error
     _, state = _dead_run(ls, limit)
     with pytest.raises(mpjax.TrainingDivergedError, match=f"{limit} non-finite steps in a row"):
         mpjax.raise_if_diverged(state)
-    with pytest.raises(mpjax.TrainingDivergedError, match="max_consecutive_skips=5"):
+    with pytest.raises(mpjax.TrainingDivergedError, match="raise_if_diverged.*=5"):
         mpjax.raise_if_diverged({"opt": state}, max_consecutive_skips=5)  # found in a tree
+    mpjax.raise_if_diverged(state, max_consecutive_skips=None)  # None: no check
+
+
+def test_raise_if_diverged_through_train_state_and_skips_a_noop_scale():
+    from flax.training import train_state
+
+    _, dead = _dead_run(StaticLossScale(2.0), 25)
+    ts = train_state.TrainState(
+        step=0, apply_fn=None, params={}, tx=optax.identity(), opt_state=(dead, optax.EmptyState())
+    )
+    with pytest.raises(mpjax.TrainingDivergedError, match="25 non-finite"):
+        mpjax.raise_if_diverged(ts)
+    # NoOpLossScale scales nothing: "auto" does not call its skips a dead run; an int does.
+    _, noop = _dead_run(NoOpLossScale(), 30, check_new_values=True)
+    noop = noop._replace(consecutive_skips=jnp.int32(30))
+    mpjax.raise_if_diverged(noop)
+    with pytest.raises(mpjax.TrainingDivergedError):
+        mpjax.raise_if_diverged(noop, max_consecutive_skips=30)
 
 
 def test_raise_if_diverged_checks_every_replica_and_rejects_traced_state():
@@ -151,8 +170,18 @@ def test_default_step_has_no_host_callback():
         return jax.jit(tx.update).lower(grads, tx.init(params), params).as_text()
 
     assert "callback" in lowered(max_consecutive_skips=7)  # the opt-in in-step raise
+    assert "callback" in lowered(max_consecutive_skips="auto")
     assert "callback" not in lowered()
     assert "callback" not in lowered(max_consecutive_skips=None)
+
+
+def test_auto_raises_inside_the_step_at_the_default_limit():
+    ls = DynamicLossScale(initial_scale=2.0**4, max_scale=2.0**4)
+    tx, state = _dead_run(ls, 28, max_consecutive_skips="auto")  # limit 29
+    bad = {"w": jnp.full(4, jnp.nan, jnp.float16)}
+    with pytest.raises(RuntimeError, match="TrainingDivergedError.*loss_scaled saw 29"):
+        _, state = jax.jit(tx.update)(bad, state, {"w": jnp.ones(4, jnp.float16)})
+        jax.block_until_ready(state)
 
 
 def test_threshold_off_with_none():

@@ -80,7 +80,10 @@ def _dtypes_of(precision: Any) -> list:
 
 
 def default_max_consecutive_skips(loss_scale: LossScale) -> int:
-    """The non-finite steps in a row after which `loss_scaled` calls a run dead by default.
+    """The non-finite steps in a row after which a run counts as dead ("auto" limit).
+
+    The limit of `raise_if_diverged(opt_state)` and of
+    `loss_scaled(..., max_consecutive_skips="auto")`.
 
     A dynamic scale needs `k = ceil(log(top / min_scale) / log(1 / backoff_factor))`
     skips in a row to back off from the highest scale it can reach (`max_scale`, or

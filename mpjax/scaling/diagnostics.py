@@ -10,13 +10,7 @@ import numpy as np
 
 from mpjax.scaling.loss_scale import _is_floating
 
-__all__ = [
-    "NonfiniteReport",
-    "nonfinite_report",
-    "TrainingDivergedError",
-    "diverged_message",
-    "raise_in_step_if_diverged",
-]
+__all__ = ["NonfiniteReport", "nonfinite_report", "TrainingDivergedError"]
 
 
 class TrainingDivergedError(RuntimeError):
@@ -29,11 +23,11 @@ class TrainingDivergedError(RuntimeError):
     """
 
 
-def diverged_message(consecutive: int, limit: int, loss_scale: float) -> str:
-    """The `TrainingDivergedError` message: the skips in a row, the limit and the scale."""
+def diverged_message(consecutive: int, limit: int, loss_scale: float, source: str) -> str:
+    """The `TrainingDivergedError` message: who checked, the skips in a row, limit, scale."""
     return (
-        f"TrainingDivergedError: mpjax.loss_scaled saw {consecutive} non-finite steps in a "
-        f"row (max_consecutive_skips={limit}; loss scale {loss_scale:g}). The model produces "
+        f"TrainingDivergedError: {source} saw {consecutive} non-finite steps in a row "
+        f"(max_consecutive_skips={limit}; loss scale {loss_scale:g}). The model produces "
         "inf/NaN gradients at every scale: check the loss and the inputs, or find the "
         "overflowing layer with mpjax.scaling.nonfinite_report(grads)."
     )
@@ -125,15 +119,19 @@ def nonfinite_report(tree: Any) -> NonfiniteReport:
 
 
 def raise_in_step_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
-    """Inside a traced step: raises `TrainingDivergedError` (through a host callback) once
-    `consecutive >= limit`. The callback takes the step off JAX's C++ dispatch path."""
+    """Raises `TrainingDivergedError` from a traced step once `consecutive >= limit`.
+
+    Through a host callback, which takes the step off JAX's C++ dispatch path.
+    """
 
     def fail(n, s):
         # Under vmap, lax.cond becomes a select and this runs on every step: check again.
         n, s = np.asarray(n), np.asarray(s)
         if not np.any(n >= limit):
             return
-        raise TrainingDivergedError(diverged_message(int(np.max(n)), limit, float(np.min(s))))
+        raise TrainingDivergedError(
+            diverged_message(int(np.max(n)), limit, float(np.min(s)), "mpjax.loss_scaled")
+        )
 
     jax.lax.cond(
         consecutive >= limit,

@@ -15,6 +15,7 @@ from mpjax.scaling.checks import (
     _check_param_dtypes,
     _check_same_structure,
 )
+from mpjax.scaling.config import default_max_consecutive_skips
 from mpjax.scaling.diagnostics import raise_in_step_if_diverged
 from mpjax.scaling.loss_scale import (
     LossScale,
@@ -108,7 +109,7 @@ def loss_scaled(
     master_weights: bool | str = "auto",
     axis_name: str | tuple[str, ...] | None = None,
     unscale_and_check: Any = None,
-    max_consecutive_skips: int | str | None = "auto",
+    max_consecutive_skips: int | str | None = None,
     check_new_values: bool | str = "auto",
     skip_impl: str = "auto",
     impl: str = "auto",
@@ -161,17 +162,15 @@ def loss_scaled(
         `mpjax.pallas.all_finite_unscaled` (which only reads the gradients; see `impl`) and
         divides by the loss scale inside the inner update, where XLA fuses the multiply (and any
         convert) into the optimizer's own elementwise kernels.
-      max_consecutive_skips: an int N: the step that would be the N-th non-finite step in
-        a row raises `TrainingDivergedError` from inside the compiled step (it reaches
-        Python as a `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error and
-        the loss scale) instead of training on silently. That raise is a host callback in
-        the step, which takes every call off JAX's C++ dispatch path (about 10 us per
-        state leaf per step), so it is opt-in. "auto" (default) and None put nothing in
-        the step; with "auto", `mpjax.raise_if_diverged(opt_state)` (a host-side read of
-        one counter, called where the loop logs) raises once the run has had
-        `default_max_consecutive_skips(loss_scale)` non-finite steps in a row: the
-        backoffs that take a dynamic scale from its top to `min_scale`, plus 25 steps at
-        `min_scale` (49 for the default `DynamicLossScale`; 25 for a static scale).
+      max_consecutive_skips: None (default) puts no dead-run check in the step: call
+        `mpjax.raise_if_diverged(opt_state)` where the loop logs (a host-side read of
+        one counter). An int N, or "auto" for `default_max_consecutive_skips(loss_scale)`
+        (49 for the default `DynamicLossScale`; 25 for a static scale), makes the step
+        that would be the N-th non-finite step in a row raise `TrainingDivergedError`
+        from inside the compiled step, on every platform (it reaches Python as a
+        `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error and the loss
+        scale). That raise is a host callback, which takes every call of the step off
+        JAX's C++ dispatch path (about 10 us per state leaf per call), so it is opt-in.
       check_new_values: whether a step with finite gradients is also skipped when the new
         value of a param would overflow to inf. "auto" checks float16 params (max 65504,
         the one dtype a finite step overflows in practice); True checks every floating
@@ -284,8 +283,9 @@ def loss_scaled(
         # NoOpLossScale neither scales nor checks: the step is the inner step (no extra
         # bytes). Decided by the state's scale, which `with_loss_scale` may have replaced.
         checks = not isinstance(state.loss_scale, NoOpLossScale)
-        # "auto" checks on the host (`raise_if_diverged`); only an int raises in the step.
-        limit = max_consecutive_skips if isinstance(max_consecutive_skips, int) else None
+        limit = max_consecutive_skips
+        if limit == "auto":
+            limit = default_max_consecutive_skips(state.loss_scale) if checks else None
         scale = state.loss_scale.loss_scale
         # The default check only reads the gradients; they are unscaled inside `take_step`.
         unscale_in_step = checks and lazy_unscale

@@ -9,6 +9,7 @@ import numpy as np
 
 from mpjax.scaling.config import default_max_consecutive_skips
 from mpjax.scaling.diagnostics import TrainingDivergedError, diverged_message
+from mpjax.scaling.loss_scale import NoOpLossScale
 from mpjax.scaling.loss_scaled import LossScaledState
 
 __all__ = [
@@ -95,19 +96,21 @@ def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
     }
 
 
-def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str = "auto") -> None:
+def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str | None = "auto") -> None:
     """Raises `TrainingDivergedError` if the run has had too many non-finite steps in a row.
 
     A host-side check, outside `jax.jit`: it reads one counter of the state (a
     device-to-host copy of a scalar), so the compiled step stays free of host callbacks.
     Call it where the training loop logs. Under pmap (a replicated state) the largest
-    count over the replicas is checked.
+    count over the replicas is checked. The limit is this function's own argument
+    (`loss_scaled`'s `max_consecutive_skips` is the in-step raise).
 
     Args:
       opt_state: an optimizer state holding a `loss_scaled` state anywhere.
-      max_consecutive_skips: the limit; "auto" (default) is
+      max_consecutive_skips: the limit: an int, "auto" (default) for
         `default_max_consecutive_skips(loss_scale)` (49 for the default
-        `DynamicLossScale`).
+        `DynamicLossScale`; no check for `NoOpLossScale`, which scales nothing), or None
+        (no check: one loop can serve runs that skip by design).
 
     Raises:
       TrainingDivergedError: when `consecutive_skips >= max_consecutive_skips`.
@@ -121,18 +124,22 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str = "auto")
     """
     state = find_loss_scaled_state(opt_state)
     limit = max_consecutive_skips
+    if limit is None or (limit == "auto" and isinstance(state.loss_scale, NoOpLossScale)):
+        return
     if limit == "auto":
         limit = default_max_consecutive_skips(state.loss_scale)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(
-            f"raise_if_diverged: max_consecutive_skips must be an int >= 1 or 'auto', got {limit!r}"
+            "raise_if_diverged: max_consecutive_skips must be an int >= 1, 'auto' or None, "
+            f"got {limit!r}"
         )
     if isinstance(state.consecutive_skips, jax.core.Tracer):
         raise TypeError(
             "raise_if_diverged reads the state on the host: call it outside jax.jit "
-            "(with max_consecutive_skips=N, loss_scaled raises inside the step instead)"
+            "(loss_scaled(..., max_consecutive_skips=N) raises inside the step instead)"
         )
     consecutive = int(np.max(np.asarray(state.consecutive_skips)))
     if consecutive >= limit:
         scale = float(np.min(np.asarray(state.loss_scale.loss_scale)))
-        raise TrainingDivergedError(diverged_message(consecutive, limit, scale))
+        source = f"mpjax.raise_if_diverged(max_consecutive_skips={max_consecutive_skips!r})"
+        raise TrainingDivergedError(diverged_message(consecutive, limit, scale, source))
