@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import errors as flax_errors
-from flax import nnx, serialization
+from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 from test_fp8_autocast import TOL_E4M3, TOL_E5M2, f64_grads, gemm_operand_dtypes, rel_err, wide
 
@@ -382,8 +382,6 @@ def test_bad_input_is_named():
         mpjax.apply_policy(MLP(), BF16, fp8="e4m3")
     with pytest.raises(ValueError, match="fp8_axis_name"):
         mpjax.apply_policy(MLP(), BF16, fp8_axis_name="batch")
-    with pytest.raises(ValueError, match="linen"):
-        mpjax.apply_policy(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), BF16, fp8=delayed())
     custom = nn.Dense(128, dot_general=jax.lax.dot_general, name="mine")
     model = mpjax.apply_policy(custom, BF16, fp8=delayed())
     with pytest.raises(ValueError, match="Dense/mine|dot_general"):

@@ -10,6 +10,7 @@ to `update_fp8_meta`, which rolls the histories and recomputes the scales.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,9 +21,16 @@ from jax import lax
 
 from mpjax.fp8.dot import _grad_lhs_layout, _grad_rhs_layout, _scaled_gemm
 from mpjax.fp8.quant import compute_scale, quantize
-from mpjax.fp8.recipe import Fp8Recipe
+from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
-__all__ = ["FP8_META", "delayed_fp8_dot_general", "init_fp8_meta", "update_fp8_meta"]
+__all__ = [
+    "FP8_META",
+    "delayed_fp8_dot_general",
+    "delayed_site_dot",
+    "init_fp8_meta",
+    "kernel_eligible",
+    "update_fp8_meta",
+]
 
 FP8_META = "fp8_meta"  # the variable collection of the delayed-scaling state
 _F32 = jnp.float32
@@ -98,6 +106,38 @@ def delayed_fp8_dot_general(
     op = jax.custom_vjp(lambda a, b, s: forward(a, b, s)[0])
     op.defvjp(forward, backward)
     return op(lhs, rhs, jnp.asarray(scale, _F32))
+
+
+def kernel_eligible(recipe: Fp8Recipe, site: Fp8Site) -> bool:
+    """Whether a GEMM site gets delayed-scaling state: judged on its kernel (`rhs`) only.
+
+    No batch dimensions; the kernel's contracting and output sizes multiples of 16 and at
+    least `recipe.min_dim`; not excluded by `recipe.exclude` / `exclude_if`. The activation's
+    shape is not needed (state is created before, or whatever, the input is), so `init` and
+    `apply` agree; `delayed_site_dot` checks the activation's free size at call time.
+    """
+    (_, rc), (lb, _) = site.dimension_numbers
+    if lb:
+        return False
+    rhs = site.rhs_shape
+    k = math.prod(rhs[i] for i in rc)
+    n = math.prod(s for i, s in enumerate(rhs) if i not in rc)
+    if any(s < recipe.min_dim or s % 16 for s in (k, n)):
+        return False
+    return not recipe.excludes(site)
+
+
+def delayed_site_dot(
+    lhs, rhs, dims, scale, recipe: Fp8Recipe, axis_name=None, precision=None, preferred=None
+):
+    """An eligible site's GEMM: `delayed_fp8_dot_general` if the activation's free size is a
+    multiple of 16, else `lax.dot_general` in the compute dtype (recording amax 0)."""
+    (lc, _), _ = dims
+    m = math.prod(s for i, s in enumerate(np.shape(lhs)) if i not in lc)
+    if m % 16:
+        return lax.dot_general(lhs, rhs, dims, precision, preferred)
+    compute = preferred or lhs.dtype
+    return delayed_fp8_dot_general(lhs, rhs, dims, scale, recipe, compute, axis_name)
 
 
 def _is_site(node: Any) -> bool:
