@@ -1,0 +1,352 @@
+"""Delayed fp8 scaling for NNX: `apply_policy(nnx_model, policy, fp8=Fp8Recipe("delayed"))`."""
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_fp8_autocast import TOL_E4M3, TOL_E5M2, f64_grads, gemm_operand_dtypes, rel_err, wide
+from test_fp8_delayed import BF16, E4, E5, F32, _nan_grad, _numpy_reference, delayed
+
+import mpjax
+from mpjax.fp8 import Fp8Meta, update_nnx_fp8_meta
+
+DIFF = nnx.DiffState(0, (nnx.Param, Fp8Meta))  # differentiate params and the fp8 state
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, nan_at=None):
+        self.l0 = nnx.Linear(64, 128, rngs=rngs)
+        self.l1 = nnx.Linear(128, 128, rngs=rngs)
+        self.head = nnx.Linear(128, 64, rngs=rngs)
+        self.nan_at = nan_at  # static: where the backward pass puts a NaN (None: nowhere)
+
+    def __call__(self, x):
+        h = _nan_grad(self.nan_at)(nnx.gelu(self.l0(x)))
+        return self.head(nnx.gelu(self.l1(h)))
+
+
+def make(recipe, policy=BF16, seed=0, **kw):
+    return mpjax.apply_policy(MLP(nnx.Rngs(seed)), policy, fp8=recipe, **kw)
+
+
+def mse(model, x):
+    return jnp.mean(model(x).astype(jnp.float32) ** 2)
+
+
+def pure(model, filt=Fp8Meta):
+    """Copies of the values of `model`'s variables matching `filt`, as numpy."""
+    return jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, filt)))
+
+
+def same_bits(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) > 0
+    return all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+
+
+def make_step(recipe):
+    @nnx.jit
+    def step(model, optimizer, x):
+        grads = nnx.grad(mse, argnums=DIFF)(model, x)
+        optimizer.update(model, grads)  # takes the nnx.Param entries only
+        update_nnx_fp8_meta(model, grads, recipe)
+
+    return step
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def test_state_is_fp8meta_variables_and_gemms_are_fp8():
+    recipe = delayed(amax_history_len=16, exclude=("*/head",))
+    model = make(recipe)
+    meta = nnx.state(model, Fp8Meta)
+    assert set(nnx.to_pure_dict(meta)) == {"l0", "l1"}  # the excluded head has none
+    assert jax.tree.map(jnp.shape, nnx.to_pure_dict(meta)["l0"]["fp8_meta"]) == {
+        "amax_history": (3, 16),
+        "scale": (3,),
+    }
+    assert "fp8_meta" not in str(nnx.state(model, nnx.Param))
+    # the jax.jit + nnx.split / nnx.merge form: grads of (params, fp8 state)
+    graphdef, params, meta = nnx.split(model, nnx.Param, Fp8Meta)
+
+    def loss(params, meta, x):
+        return mse(nnx.merge(graphdef, params, meta), x)
+
+    x = wide(np.random.default_rng(0), (64, 64), 2.0)
+    dtypes = gemm_operand_dtypes(jax.grad(loss, (0, 1)), params, meta, x)
+    # two fp8 Linear: forward e4m3 x e4m3, input grad e5m2 x e4m3, weight grad e4m3 x e5m2
+    fp8 = Counter(tuple(t.name for t in d) for d in dtypes if E4 in d or E5 in d)
+    assert fp8 == Counter({(a.name, b.name): 2 for a, b in [(E4, E4), (E5, E4), (E4, E5)]})
+
+
+def test_optimizer_over_params_never_touches_the_fp8_state():
+    recipe = delayed(amax_history_len=4)
+    model = make(recipe)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    assert "fp8_meta" not in str(nnx.state(optimizer))
+    before, params = pure(model), pure(model, nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        grads = nnx.grad(mse, argnums=DIFF)(model, x)  # holds the amaxes too
+        optimizer.update(model, grads)
+
+    step(model, optimizer, wide(np.random.default_rng(1), (64, 64), 2.0))
+    assert same_bits(pure(model), before)
+    assert not same_bits(pure(model, nnx.Param), params)
+
+
+def test_history_rolls_and_amax_compute_through_the_model():
+    """x, w and g of a lone Linear are known exactly: the state follows the numpy reference."""
+    length, steps = 3, 7
+    rng = np.random.default_rng(7)
+    for compute, margin in [("max", 0.0), ("most_recent", 1.5)]:
+        recipe = delayed(amax_history_len=length, amax_compute=compute, margin=margin)
+        model = mpjax.apply_policy(nnx.Linear(128, 96, rngs=nnx.Rngs(0)), F32, fp8=recipe)
+        w_amax = np.float32(np.abs(np.asarray(model.kernel[...])).max())
+
+        @nnx.jit
+        def step(model, x, r):
+            grads = nnx.grad(lambda m: jnp.sum(m(x) * r), argnums=DIFF)(model)
+            update_nnx_fp8_meta(model, grads, recipe)
+
+        amaxes = []
+        for k in range(steps):
+            x = wide(rng, (32, 128)) * np.float32(10.0 ** rng.uniform(-4, 4))
+            r = wide(rng, (32, 96)) * np.float32(10.0 ** rng.uniform(-4, 4))
+            if k == 2:
+                x[:] = 0.0  # amax 0: recorded, the scale stays (most_recent)
+            if k == 4:
+                r[16, 48] = np.nan  # a NaN output gradient: not recorded
+            if k == 5:
+                x[-1, -1] = np.inf  # an inf input: not recorded
+            step(model, jnp.asarray(x), jnp.asarray(r))
+            amaxes.append([np.abs(x).max(), w_amax, np.abs(r).max()])
+            ref_hist, ref_scale = _numpy_reference(np.array(amaxes), length, compute, margin)[-1]
+            meta = pure(model)["fp8_meta"]
+            np.testing.assert_array_equal(meta["amax_history"], ref_hist.astype(np.float32))
+            np.testing.assert_allclose(meta["scale"], ref_scale, rtol=2e-7)
+            assert np.isfinite(meta["scale"]).all() and (meta["scale"] > 0).all()
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_linear_output_and_gradients_vs_float64_after_a_warm_up_step():
+    recipe = delayed(amax_history_len=8)
+    model = mpjax.apply_policy(nnx.Linear(128, 96, rngs=nnx.Rngs(0)), F32, fp8=recipe)
+    rng = np.random.default_rng(3)
+    x, r = 50 * wide(rng, (64, 128)), wide(rng, (64, 96))  # |x| up to ~1000: beyond e4m3's 448
+    w, b = np.asarray(model.kernel[...]), np.asarray(model.bias[...])
+    ref = x.astype(np.float64) @ w.astype(np.float64) + b
+    cold = model(x)  # scale 1: the inputs beyond 448 saturate
+    grads = nnx.grad(lambda m: jnp.sum(m(x) * r), argnums=DIFF)(model)
+    update_nnx_fp8_meta(model, grads, recipe)  # warm-up: scales from the recorded amaxes
+    _, (rx, rw) = f64_grads(lambda a, k: jnp.sum((a @ k) * r), x, w)
+    gx, g = jax.grad(lambda xx, m: jnp.sum(m(xx) * r), (0, 1))(x, model)
+    # stated tolerance: relative L2 error of e5m2-gradient GEMMs (as for linen and autocast)
+    assert rel_err(gx, rx) < TOL_E5M2 and rel_err(g.kernel[...], rw) < TOL_E5M2
+    assert rel_err(model(x), ref) < TOL_E4M3
+    assert rel_err(cold, ref) > 2 * TOL_E4M3
+
+
+class Heads(nnx.Module):
+    """Attention-style projections: LinearGeneral to (heads, dim) and back over two axes."""
+
+    def __init__(self, rngs):
+        self.up = nnx.LinearGeneral(128, (4, 32), rngs=rngs)
+        self.down = nnx.LinearGeneral((4, 32), 96, axis=(-2, -1), rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+def test_linear_general_multi_axis_gradients_vs_float64():
+    recipe = delayed(amax_history_len=2)
+    model = mpjax.apply_policy(Heads(nnx.Rngs(1)), F32, fp8=recipe)
+    assert set(nnx.to_pure_dict(nnx.state(model, Fp8Meta))) == {"up", "down"}
+    rng = np.random.default_rng(11)
+    x, r = wide(rng, (64, 128)), wide(rng, (64, 96))
+
+    def loss(m):
+        return jnp.sum(m(x) * r)
+
+    grad = nnx.jit(nnx.grad(loss, argnums=DIFF))
+    update_nnx_fp8_meta(model, grad(model), recipe)
+    g = nnx.to_pure_dict(nnx.state(grad(model), nnx.Param))
+    graphdef, params = nnx.split(Heads(nnx.Rngs(1)))  # the same weights, no policy
+    ref = f64_grads(lambda p: loss(nnx.merge(graphdef, p)), params)[1][0]
+    ref = nnx.to_pure_dict(ref)
+    # the last layer: one e5m2 GEMM; the first: two fp8 layers back to back (as for autocast)
+    assert rel_err(g["down"]["kernel"], ref["down"]["kernel"]) < TOL_E5M2
+    assert rel_err(g["up"]["kernel"], ref["up"]["kernel"]) < 2 * TOL_E5M2
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def _per_device_inputs(rng, n):
+    """Device i's rows scaled by 10**i: every device sees a different amax."""
+    x = wide(rng, (n, 16, 64), 1.0)
+    return x * (10.0 ** np.arange(n, dtype=np.float32))[:, None, None]
+
+
+def bf16_amax(x):
+    """max |x| after the policy's cast of the input to bfloat16."""
+    return np.float32(jnp.asarray(np.abs(x).max(), jnp.bfloat16))
+
+
+def _split_step(graphdef, recipe):
+    """One step on `nnx.split` state, for jax.jit / pmap: returns the new state."""
+
+    def step(state, x):
+        model = nnx.merge(graphdef, state)
+        grads = nnx.grad(mse, argnums=DIFF)(model, x)
+        update_nnx_fp8_meta(model, grads, recipe)
+        return nnx.state(model)
+
+    return step
+
+
+@pytest.mark.parametrize("axis_name", ["batch", None])
+def test_pmap_every_device_gets_the_same_scale(axis_name):
+    n = jax.local_device_count()
+    assert n == 8, "conftest sets 8 host devices"
+    recipe = delayed(amax_history_len=4)
+    model = make(recipe, fp8_axis_name=axis_name)
+    x = _per_device_inputs(np.random.default_rng(2), n)
+    graphdef, state = nnx.split(model)
+    rep = jax.tree.map(lambda a: np.stack([a] * n), state)
+    new = jax.pmap(_split_step(graphdef, recipe), axis_name="batch")(rep, x)
+    meta = nnx.to_pure_dict(new)["l0"]["fp8_meta"]
+    scales = np.asarray(meta["scale"])  # [devices, 3]
+    if axis_name is None:  # the negative control: local amaxes, different scales
+        assert len({s.tobytes() for s in scales}) == n
+        return
+    assert all(s.tobytes() == scales[0].tobytes() for s in scales)
+    assert np.asarray(meta["amax_history"])[0, 0, 0] == bf16_amax(x)  # the global input amax
+
+
+def test_jit_named_sharding_amax_is_global():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    recipe = delayed(amax_history_len=4)
+    graphdef, state = nnx.split(make(recipe))
+    x = _per_device_inputs(np.random.default_rng(4), 8).reshape(128, 64)
+    xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+    new = jax.jit(_split_step(graphdef, recipe))(state, xs)
+    meta = nnx.to_pure_dict(new)["l0"]["fp8_meta"]
+    shards = [np.asarray(s.data) for s in meta["scale"].addressable_shards]
+    assert len(shards) == 8 and all(s.tobytes() == shards[0].tobytes() for s in shards)
+    assert np.asarray(meta["amax_history"])[0, 0] == bf16_amax(x)
+    np.testing.assert_allclose(shards[0][0], 448.0 / bf16_amax(x), rtol=1e-6)
+
+
+def test_nnx_jit_and_jax_jit_with_split_merge_agree_bitwise():
+    recipe = delayed(amax_history_len=4)
+    rng = np.random.default_rng(6)
+    xs = [wide(rng, (64, 64), 2.0) * 10.0**k for k in (0, 2, -1)]
+    a = make(recipe)
+    for x in xs:  # nnx.jit, in place
+        nnx.jit(lambda m, x: update_nnx_fp8_meta(m, nnx.grad(mse, argnums=DIFF)(m, x), recipe))(
+            a, x
+        )
+    graphdef, state = nnx.split(make(recipe))
+    step = jax.jit(_split_step(graphdef, recipe))
+    for x in xs:  # jax.jit over nnx.split state
+        state = step(state, x)
+    assert np.asarray(pure(a)["l1"]["fp8_meta"]["amax_history"])[:, :3].all()
+    assert same_bits(pure(a), nnx.to_pure_dict(nnx.state(state, Fp8Meta)))
+
+
+# ----------------------------------------------------------------------------- training state
+
+
+def _save(path, *nodes):
+    np.savez(path, *[np.asarray(a) for a in jax.tree.leaves(nnx.state(nodes))])
+
+
+def _load(path, *nodes):
+    state = nnx.state(nodes)
+    with np.load(path) as f:
+        arrays = [jnp.asarray(f[f"arr_{i}"]) for i in range(len(f.files))]
+    nnx.update(nodes, jax.tree.unflatten(jax.tree.structure(state), arrays))
+
+
+def test_checkpoint_round_trip_resumes_bitwise(tmp_path):
+    recipe = delayed(amax_history_len=3)
+    rng = np.random.default_rng(9)
+    xs = [wide(rng, (64, 64), 3.0) * 10.0**k for k in (0, 2, -1, 1, 0, 3)]
+    step = make_step(recipe)
+
+    def run(seed=0):
+        model = make(recipe, seed=seed)
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    straight = run()
+    for x in xs:
+        step(*straight, x)
+    half = run()
+    for x in xs[:3]:
+        step(*half, x)
+    _save(tmp_path / "ckpt.npz", *half)
+    resumed, no_meta = run(seed=5), run(seed=5)  # fresh models, other weights
+    _load(tmp_path / "ckpt.npz", *resumed)
+    _load(tmp_path / "ckpt.npz", *no_meta)
+    nnx.update(no_meta[0], nnx.state(run(seed=5)[0], Fp8Meta))  # the control: meta not restored
+    for x in xs[3:]:
+        step(*resumed, x)
+        step(*no_meta, x)
+    assert (np.asarray(pure(straight[0])["l0"]["fp8_meta"]["amax_history"]) > 0).all()
+    assert same_bits(nnx.state(straight), nnx.state(resumed))
+    assert not same_bits(pure(straight[0], nnx.Param), pure(no_meta[0], nnx.Param))
+
+
+@pytest.mark.parametrize("where", [0, 64 * 128 // 2, 64 * 128 - 1])
+def test_nan_activation_gradient_skips_and_keeps_the_fp8_state(where):
+    recipe = delayed(amax_history_len=4)
+    x = wide(np.random.default_rng(5), (64, 64), 2.0)
+    model = make(recipe)
+    optimizer = nnx.Optimizer(model, mpjax.loss_scaled(optax.adam(1e-3)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        saved = mpjax.snapshot_state(model, Fp8Meta)
+
+        def loss(m):
+            return mpjax.scale_loss(mse(m, x), optimizer.opt_state)
+
+        grads = nnx.grad(loss, argnums=DIFF)(model)
+        optimizer.update(model, grads)
+        update_nnx_fp8_meta(model, grads, recipe)
+        updated = nnx.to_pure_dict(nnx.state(model, Fp8Meta))
+        mpjax.restore_if_skipped(model, saved, optimizer.opt_state)
+        return updated
+
+    def inner():
+        return jax.tree.map(np.array, mpjax.find_loss_scaled_state(optimizer.opt_state).inner_state)
+
+    step(model, optimizer, x)  # a clean warm-up step
+    before = (pure(model), pure(model, nnx.Param), inner())
+    model.nan_at = where
+    updated = step(model, optimizer, x)
+    state = mpjax.find_loss_scaled_state(optimizer.opt_state)
+    assert not bool(state.grads_finite) and int(state.skipped_steps) == 1
+    assert same_bits(before, (pure(model), pure(model, nnx.Param), inner()))
+    # update_nnx_fp8_meta alone rolled the histories but never recorded the NaN: l0's output
+    # gradient (the NaN's) keeps its history; l1's rolled (restore_if_skipped undid it)
+    first, second = updated["l0"]["fp8_meta"], updated["l1"]["fp8_meta"]
+    assert np.isfinite(np.asarray(first["amax_history"])).all()
+    assert np.isfinite(np.asarray(first["scale"])).all()
+    old = before[0]
+    np.testing.assert_array_equal(
+        first["amax_history"][2], old["l0"]["fp8_meta"]["amax_history"][2]
+    )
+    assert not same_bits(second, old["l1"]["fp8_meta"])
