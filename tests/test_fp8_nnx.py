@@ -45,7 +45,9 @@ def pure(model, filt=Fp8Meta):
 def same_bits(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb) > 0
-    return all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+    return all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb, strict=True)
+    )
 
 
 def make_step(recipe):
@@ -101,37 +103,39 @@ def test_optimizer_over_params_never_touches_the_fp8_state():
     assert not same_bits(pure(model, nnx.Param), params)
 
 
-def test_history_rolls_and_amax_compute_through_the_model():
+@pytest.mark.parametrize("compute, margin", [("max", 0.0), ("most_recent", 1.5)])
+def test_history_rolls_and_amax_compute_through_the_model(compute, margin):
     """x, w and g of a lone Linear are known exactly: the state follows the numpy reference."""
     length, steps = 3, 7
     rng = np.random.default_rng(7)
-    for compute, margin in [("max", 0.0), ("most_recent", 1.5)]:
-        recipe = delayed(amax_history_len=length, amax_compute=compute, margin=margin)
-        model = mpjax.apply_policy(nnx.Linear(128, 96, rngs=nnx.Rngs(0)), F32, fp8=recipe)
-        w_amax = np.float32(np.abs(np.asarray(model.kernel[...])).max())
+    recipe = delayed(amax_history_len=length, amax_compute=compute, margin=margin)
+    model = mpjax.apply_policy(nnx.Linear(128, 96, rngs=nnx.Rngs(0)), F32, fp8=recipe)
+    w_amax = np.float32(np.abs(np.asarray(model.kernel[...])).max())
 
-        @nnx.jit
-        def step(model, x, r):
-            grads = nnx.grad(lambda m: jnp.sum(m(x) * r), argnums=DIFF)(model)
-            update_nnx_fp8_meta(model, grads, recipe)
+    @nnx.jit
+    def step(model, x, r):
+        grads = nnx.grad(lambda m: jnp.sum(m(x) * r), argnums=DIFF)(model)
+        update_nnx_fp8_meta(model, grads, recipe)
 
-        amaxes = []
-        for k in range(steps):
-            x = wide(rng, (32, 128)) * np.float32(10.0 ** rng.uniform(-4, 4))
-            r = wide(rng, (32, 96)) * np.float32(10.0 ** rng.uniform(-4, 4))
-            if k == 2:
-                x[:] = 0.0  # amax 0: recorded, the scale stays (most_recent)
-            if k == 4:
-                r[16, 48] = np.nan  # a NaN output gradient: not recorded
-            if k == 5:
-                x[-1, -1] = np.inf  # an inf input: not recorded
-            step(model, jnp.asarray(x), jnp.asarray(r))
-            amaxes.append([np.abs(x).max(), w_amax, np.abs(r).max()])
-            ref_hist, ref_scale = _numpy_reference(np.array(amaxes), length, compute, margin)[-1]
-            meta = pure(model)["fp8_meta"]
-            np.testing.assert_array_equal(meta["amax_history"], ref_hist.astype(np.float32))
-            np.testing.assert_allclose(meta["scale"], ref_scale, rtol=2e-7)
-            assert np.isfinite(meta["scale"]).all() and (meta["scale"] > 0).all()
+    amaxes = []
+    for k in range(steps):
+        x = wide(rng, (32, 128)) * np.float32(10.0 ** rng.uniform(-4, 4))
+        r = wide(rng, (32, 96)) * np.float32(10.0 ** rng.uniform(-4, 4))
+        if k == 2:
+            x[:] = 0.0  # amax 0: recorded, the scale stays (most_recent)
+        if k == 4:
+            r[16, 48] = np.nan  # a NaN output gradient: not recorded
+        if k == 5:
+            x[-1, -1] = np.inf  # an inf input: not recorded
+        if k == 6:
+            r[0, 0] = np.inf  # an inf output gradient: not recorded
+        step(model, jnp.asarray(x), jnp.asarray(r))
+        amaxes.append([np.abs(x).max(), w_amax, np.abs(r).max()])
+        ref_hist, ref_scale = _numpy_reference(np.array(amaxes), length, compute, margin)[-1]
+        meta = pure(model)["fp8_meta"]
+        np.testing.assert_array_equal(meta["amax_history"], ref_hist.astype(np.float32))
+        np.testing.assert_allclose(meta["scale"], ref_scale, rtol=2e-7)
+        assert np.isfinite(meta["scale"]).all() and (meta["scale"] > 0).all()
 
 
 # ----------------------------------------------------------------------------- numerics
@@ -350,3 +354,94 @@ def test_nan_activation_gradient_skips_and_keeps_the_fp8_state(where):
         first["amax_history"][2], old["l0"]["fp8_meta"]["amax_history"][2]
     )
     assert not same_bits(second, old["l1"]["fp8_meta"])
+
+
+# ----------------------------------------------------------------------------- coverage
+
+
+class Mixed(nnx.Module):
+    """Covered and uncovered GEMMs: a list of Linears, an Einsum, a narrow Linear."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.List([nnx.Linear(64, 128, rngs=rngs), nnx.Linear(128, 64, rngs=rngs)])
+        self.mix = nnx.Einsum("bd,de->be", (64, 64), rngs=rngs)
+        self.narrow = nnx.Linear(64, 8, rngs=rngs)  # 8 outputs: not a multiple of 16
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = nnx.gelu(block(x))
+        return self.narrow(self.mix(x))
+
+
+def test_which_gemms_are_covered_and_reapplying():
+    recipe = delayed(amax_history_len=2, exclude_if=lambda site: site.lhs_shape[0] < 32)
+    model = mpjax.apply_policy(Mixed(nnx.Rngs(0)), BF16, fp8=recipe)
+    meta = nnx.to_pure_dict(nnx.state(model, Fp8Meta))
+    assert set(meta) == {"blocks"} and set(meta["blocks"]) == {0, 1}  # Einsum, narrow: none
+    x = wide(np.random.default_rng(8), (64, 64), 2.0)
+
+    def dtypes(x):
+        graphdef, params, meta = nnx.split(model, nnx.Param, Fp8Meta)
+
+        def loss(p, m):
+            return mse(nnx.merge(graphdef, p, m), x)
+
+        return gemm_operand_dtypes(jax.grad(loss, (0, 1)), params, meta)
+
+    fp8 = [d for d in dtypes(x) if E4 in d or E5 in d]
+    assert len(fp8) == 2 * 3  # the two Linears: forward and both backward GEMMs
+    assert not any(E4 in d or E5 in d for d in dtypes(x[:16]))  # exclude_if: small batches
+    step = make_step(recipe)
+    step(model, nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param), x)  # int paths update
+    kept = pure(model)
+    assert np.asarray(kept["blocks"][1]["fp8_meta"]["amax_history"])[:, 0].all()
+    mpjax.apply_policy(model, BF16, fp8=recipe)  # re-applying keeps the state
+    assert same_bits(pure(model), kept)
+    mpjax.apply_policy(model, BF16)  # without fp8: the state is removed
+    assert not jax.tree.leaves(nnx.state(model, Fp8Meta))
+    assert not any(E4 in d or E5 in d for d in dtypes(x))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_named():
+    linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="scaling='delayed'"):
+        mpjax.apply_policy(linear, BF16, fp8=mpjax.Fp8Recipe())  # current scaling: autocast's
+    with pytest.raises(ValueError, match="forward_dtype=bfloat16"):
+        mpjax.apply_policy(linear, BF16, fp8=delayed(forward_dtype=jnp.bfloat16))
+    with pytest.raises(ValueError, match="backward_dtype=float16"):
+        delayed(backward_dtype=jnp.float16)
+    with pytest.raises(TypeError, match="Fp8Recipe"):
+        mpjax.apply_policy(linear, BF16, fp8="e4m3")
+    with pytest.raises(ValueError, match="fp8_axis_name"):
+        mpjax.apply_policy(linear, BF16, fp8_axis_name="batch")
+    assert not jax.tree.leaves(nnx.state(linear, Fp8Meta))  # nothing half-applied
+
+    custom = MLP(nnx.Rngs(0))
+    custom.l1.dot_general = lambda *a, **k: jax.lax.dot_general(*a, **k)
+    with pytest.raises(ValueError, match="MLP/l1.*dot_general"):
+        mpjax.apply_policy(custom, BF16, fp8=delayed())
+    mpjax.apply_policy(custom, BF16, fp8=delayed(exclude=("*/l1",)))  # excluded: fine
+
+    recipe = delayed(amax_history_len=4)
+    model = make(recipe)
+    x = wide(np.random.default_rng(0), (64, 64), 2.0)
+    with pytest.raises(ValueError, match="out_sharding"):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+        model.l0(x, out_sharding=NamedSharding(mesh, PartitionSpec()))
+    param_grads = nnx.grad(mse)(model, x)  # nnx.Param only: no amaxes
+    with pytest.raises(ValueError, match="no Fp8Meta gradient"):
+        update_nnx_fp8_meta(model, param_grads, recipe)
+    grads = nnx.grad(mse, argnums=DIFF)(model, x)
+    with pytest.raises(ValueError, match="MLP/(l0|l1|head).*runs with"):
+        update_nnx_fp8_meta(model, grads, delayed(amax_history_len=8))
+    with pytest.raises(ValueError, match="scaling='delayed'"):
+        update_nnx_fp8_meta(model, grads, mpjax.Fp8Recipe())
+    with pytest.raises(ValueError, match="no fp8 state"):
+        update_nnx_fp8_meta(MLP(nnx.Rngs(0)), grads, recipe)
+    with pytest.raises(TypeError, match="NNX module"):
+        update_nnx_fp8_meta(nnx.state(model), grads, recipe)
