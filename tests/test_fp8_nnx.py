@@ -405,6 +405,12 @@ def test_which_gemms_are_covered_and_reapplying():
 # ----------------------------------------------------------------------------- bad input
 
 
+class Stacked(nnx.Module):
+    def __init__(self, rngs):
+        make = nnx.vmap(lambda r: nnx.Linear(64, 64, rngs=r), in_axes=0, out_axes=0)
+        self.layers = nnx.split_rngs(splits=16)(make)(rngs)
+
+
 def test_bad_input_is_named():
     linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="scaling='delayed'"):
@@ -423,6 +429,12 @@ def test_bad_input_is_named():
     custom.l1.dot_general = lambda *a, **k: jax.lax.dot_general(*a, **k)
     with pytest.raises(ValueError, match="MLP/l1.*dot_general"):
         mpjax.apply_policy(custom, BF16, fp8=delayed())
+    assert type(custom) is MLP and not mpjax.policy.module_policies(custom)  # left as it was
+    assert not jax.tree.leaves(nnx.state(custom, Fp8Meta))
+    stacked = Stacked(nnx.Rngs(0))  # 16 Linear(64, 64) made by nnx.vmap: kernel [16, 64, 64]
+    with pytest.raises(ValueError, match="Stacked/layers.*stacked kernel"):
+        mpjax.apply_policy(stacked, BF16, fp8=delayed())
+    mpjax.apply_policy(stacked, BF16, fp8=delayed(exclude=("*/layers",)))  # excluded: fine
     mpjax.apply_policy(custom, BF16, fp8=delayed(exclude=("*/l1",)))  # excluded: fine
 
     recipe = delayed(amax_history_len=4)

@@ -40,8 +40,9 @@ from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 __all__ = [
     "NNX_DELAYED_MODULES",
     "Fp8Meta",
-    "attach_nnx_fp8",
     "nnx_delayed_override",
+    "plan_nnx_fp8",
+    "set_nnx_fp8",
     "update_nnx_fp8_meta",
 ]
 
@@ -75,15 +76,18 @@ def _custom_dot(module: nnx.Module) -> bool:
     return dot not in (None, lax.dot_general) or cls is not None
 
 
-def _kernel_site(module: nnx.Module, name: str) -> Fp8Site:
-    """The module's GEMM as far as the kernel tells (the input's shape is not known yet)."""
+def _kernel_site(module: nnx.Module, name: str) -> tuple[Fp8Site, int]:
+    """The module's GEMM as far as its kernel tells, and how many stacked leading axes the
+    kernel has beyond the layer's own (layers made by `nnx.vmap` / `nnx.scan`)."""
     shape = tuple(module.kernel.shape)
     if isinstance(module, nnx.Linear):
-        return Fp8Site(name, (), shape, (((), (0,)), ((), ())))
+        extra = len(shape) - 2
+        return Fp8Site(name, (), shape[extra:], (((), (0,)), ((), ()))), extra
     n_batch = len(module.batch_axis)
+    extra = len(shape) - n_batch - len(module.in_features) - len(module.out_features)
     contract = tuple(range(n_batch, n_batch + len(module.axis)))
-    batch = tuple(range(n_batch))
-    return Fp8Site(name, (), shape, (((), contract), (tuple(module.batch_axis), batch)))
+    dims = (((), contract), (tuple(module.batch_axis), tuple(range(n_batch))))
+    return Fp8Site(name, (), shape[extra:], dims), extra
 
 
 def _is_ours(value: Any) -> bool:
@@ -99,32 +103,38 @@ def _detach(module: nnx.Module) -> None:
         delattr(module, _SITE_ATTR)
 
 
-def attach_nnx_fp8(module: nnx.Module, name: str, config: DelayedFp8 | None) -> None:
-    """Gives a covered `Linear`/`LinearGeneral` its `Fp8Meta` state (or removes it), in place.
+def plan_nnx_fp8(module: nnx.Module, name: str, config: DelayedFp8 | None) -> _Fp8Record | None:
+    """Whether a module gets `Fp8Meta` state under `config` (its record), or None; no changes.
 
-    A kernel whose contracting and output sizes are multiples of 16 and at least
-    `recipe.min_dim`, without batch axes and not matched by `recipe.exclude` (patterns on
-    `name`, e.g. `"Model/blocks/0/head"`), gets the state; `recipe.exclude_if` sees the input's
-    shape, so it is asked at call time (an excluded call runs in the compute dtype and records
-    amax 0). Existing state of the same shape is kept (re-applying a policy does not reset it).
+    A covered `Linear`/`LinearGeneral` whose kernel's contracting and output sizes are
+    multiples of 16 and at least `recipe.min_dim`, without batch axes and not matched by
+    `recipe.exclude` (patterns on `name`, e.g. `"Model/blocks/0/head"`), gets state;
+    `recipe.exclude_if` sees the input's shape, so it is asked at call time (an excluded call
+    runs in the compute dtype and records amax 0). Layers stacked by `nnx.vmap` / `nnx.scan`
+    (a kernel with leading layer axes) are not covered: one whose layer kernel is eligible
+    raises, so that nothing silently stays in the compute dtype.
 
     Args:
       module: any NNX module (others than `NNX_DELAYED_MODULES` get nothing).
       name: the site name, `"<root class>/<path>"`.
-      config: the delayed-fp8 configuration, or None to remove the state.
+      config: the delayed-fp8 configuration, or None (no state).
 
     Raises:
-      ValueError: the module sets its own `dot_general`, or already has an unrelated
-        attribute named `fp8_meta`.
+      ValueError: the module sets its own `dot_general`, has a stacked kernel, or already
+        has an unrelated attribute named `fp8_meta`.
     """
     if config is None or not isinstance(module, NNX_DELAYED_MODULES):
-        _detach(module)
-        return
-    recipe = config.recipe
-    by_pattern = dataclasses.replace(recipe, exclude_if=None)
-    if not kernel_eligible(by_pattern, _kernel_site(module, name)):
-        _detach(module)
-        return
+        return None
+    by_pattern = dataclasses.replace(config.recipe, exclude_if=None)
+    site, stacked = _kernel_site(module, name)
+    if not kernel_eligible(by_pattern, site):
+        return None
+    if stacked:
+        raise ValueError(
+            f"apply_policy(fp8=...): module {name!r} has a stacked kernel "
+            f"{tuple(module.kernel.shape)} (layers made by nnx.vmap / nnx.scan), which delayed "
+            "fp8 does not cover; exclude it with Fp8Recipe(exclude=...)"
+        )
     if _custom_dot(module):
         raise ValueError(
             f"apply_policy(fp8=...): module {name!r} sets its own dot_general/dot_general_cls; "
@@ -135,12 +145,24 @@ def attach_nnx_fp8(module: nnx.Module, name: str, config: DelayedFp8 | None) -> 
         raise ValueError(
             f"apply_policy(fp8=...): module {name!r} already has an attribute {META_ATTR!r}"
         )
-    fresh = init_fp8_meta(recipe)
+    return _Fp8Record(config, name)
+
+
+def set_nnx_fp8(module: nnx.Module, record: _Fp8Record | None) -> None:
+    """Gives `module` the `Fp8Meta` state of a `plan_nnx_fp8` record, or removes it (None).
+
+    Existing state of the same shape is kept (re-applying a policy does not reset it).
+    """
+    if record is None:
+        _detach(module)
+        return
+    fresh = init_fp8_meta(record.config.recipe)
+    existing = vars(module).get(META_ATTR)
     if existing is None or any(
         np.shape(existing[k][...]) != fresh[k].shape for k in ("amax_history", "scale")
     ):
         setattr(module, META_ATTR, nnx.Dict({k: Fp8Meta(v) for k, v in fresh.items()}))
-    setattr(module, _SITE_ATTR, _Fp8Record(config, name))
+    setattr(module, _SITE_ATTR, record)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from mpjax.fp8.linen_delayed import DelayedFp8
-from mpjax.fp8.nnx_delayed import attach_nnx_fp8, nnx_delayed_override
+from mpjax.fp8.nnx_delayed import nnx_delayed_override, plan_nnx_fp8, set_nnx_fp8
 from mpjax.policy.defaults import DEFAULTS, Defaults
 from mpjax.policy.policy import Policy, _is_floating_array
 from mpjax.policy.rules import field_overrides, parse_rules, resolve
@@ -313,15 +313,18 @@ def apply_nnx_policy(
     modules.sort(key=lambda item: len(item[0]))
     module_paths = {path for path, _ in modules}
     root_name = _base_class(type(model)).__name__
-    resolved = {}
-    for path, module in modules:
+    resolved, plans = {}, []
+    for path, module in modules:  # resolve and validate everything before changing anything
         base = _base_class(type(module))
         owner = _owner(path, module_paths)
         parent = resolved.get(owner) if owner is not None else None
         text = "/".join(str(part) for part in path)
         res = resolve(rules, defaults, base, text, parent, is_root=path == ())
         resolved[path] = res
-        attach_nnx_fp8(module, f"{root_name}/{text}", fp8 if res is not None else None)
+        site = plan_nnx_fp8(module, f"{root_name}/{text}", fp8 if res is not None else None)
+        plans.append((module, base, text, res, site))
+    for module, base, text, res, site in plans:
+        set_nnx_fp8(module, site)
         if res is None or isinstance(module, _CONTAINERS):
             object.__setattr__(module, "__class__", base)
             if _ATTR in vars(module):
