@@ -10,6 +10,7 @@ to `update_fp8_meta`, which rolls the histories and recomputes the scales.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "FP8_META",
     "delayed_fp8_dot_general",
     "delayed_site_dot",
+    "excluded_by_name",
     "init_fp8_meta",
     "kernel_eligible",
     "update_fp8_meta",
@@ -108,13 +110,14 @@ def delayed_fp8_dot_general(
     return op(lhs, rhs, jnp.asarray(scale, _F32))
 
 
-def kernel_eligible(recipe: Fp8Recipe, site: Fp8Site) -> bool:
+def kernel_eligible(recipe: Fp8Recipe, site: Fp8Site, ask_exclude: bool = True) -> bool:
     """Whether a GEMM site gets delayed-scaling state: judged on its kernel (`rhs`) only.
 
     No batch dimensions; the kernel's contracting and output sizes multiples of 16 and at
-    least `recipe.min_dim`; not excluded by `recipe.exclude` / `exclude_if`. The activation's
-    shape is not needed (state is created before, or whatever, the input is), so `init` and
-    `apply` agree; `delayed_site_dot` checks the activation's free size at call time.
+    least `recipe.min_dim`; not excluded by `recipe.exclude` / `exclude_if` (unless
+    `ask_exclude` is False). The activation's shape plays no part, so the state exists
+    whatever the input (linen `init` and `apply` agree; NNX creates it in `apply_policy`);
+    `delayed_site_dot` checks the activation's free size at call time.
     """
     (_, rc), (lb, _) = site.dimension_numbers
     if lb:
@@ -124,7 +127,12 @@ def kernel_eligible(recipe: Fp8Recipe, site: Fp8Site) -> bool:
     n = math.prod(s for i, s in enumerate(rhs) if i not in rc)
     if any(s < recipe.min_dim or s % 16 for s in (k, n)):
         return False
-    return not recipe.excludes(site)
+    return not (ask_exclude and recipe.excludes(site))
+
+
+def excluded_by_name(recipe: Fp8Recipe, name: str) -> bool:
+    """Whether `recipe.exclude`'s patterns (not `exclude_if`, which needs shapes) match `name`."""
+    return dataclasses.replace(recipe, exclude_if=None).excludes(Fp8Site(name, (), (), None))
 
 
 def delayed_site_dot(

@@ -9,7 +9,13 @@ import flax.linen as nn
 import numpy as np
 from jax import lax
 
-from mpjax.fp8.delayed import FP8_META, delayed_site_dot, init_fp8_meta, kernel_eligible
+from mpjax.fp8.delayed import (
+    FP8_META,
+    delayed_site_dot,
+    excluded_by_name,
+    init_fp8_meta,
+    kernel_eligible,
+)
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = ["DELAYED_MODULES", "DelayedFp8", "check_policy_fp8", "delayed_fp8_override"]
@@ -58,6 +64,9 @@ def delayed_fp8_override(module: nn.Module, name: str, config: DelayedFp8 | None
         yield
         return
     if module.dot_general is not None or module.dot_general_cls is not None:
+        if excluded_by_name(config.recipe, name):  # excluded: its own dot_general runs
+            yield
+            return
         raise ValueError(
             f"apply_policy(fp8=...): module {name!r} sets its own dot_general/dot_general_cls; "
             "exclude it with Fp8Recipe(exclude=...) or drop its custom dot_general"

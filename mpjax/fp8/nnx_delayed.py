@@ -33,7 +33,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from mpjax.fp8.delayed import delayed_site_dot, init_fp8_meta, kernel_eligible, update_fp8_meta
+from mpjax.fp8.delayed import (
+    delayed_site_dot,
+    excluded_by_name,
+    init_fp8_meta,
+    kernel_eligible,
+    update_fp8_meta,
+)
 from mpjax.fp8.linen_delayed import DelayedFp8
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
@@ -125,9 +131,8 @@ def plan_nnx_fp8(module: nnx.Module, name: str, config: DelayedFp8 | None) -> _F
     """
     if config is None or not isinstance(module, NNX_DELAYED_MODULES):
         return None
-    by_pattern = dataclasses.replace(config.recipe, exclude_if=None)
     site, stacked = _kernel_site(module, name)
-    if not kernel_eligible(by_pattern, site):
+    if excluded_by_name(config.recipe, name) or not kernel_eligible(config.recipe, site, False):
         return None
     if stacked:
         raise ValueError(
