@@ -19,7 +19,12 @@ grads, recipe)` rolls the histories and writes the new scales into the model in 
 math of `mpjax.fp8.update_fp8_meta`). This works the same under `nnx.jit` (in-place updates
 propagate) and under `jax.jit` with `nnx.split` / `nnx.merge` (return `nnx.state(model)` or
 `nnx.split(model)` from the step), under `pmap` with `fp8_axis_name`, and with
-`mpjax.snapshot_state(model, Fp8Meta)` / `mpjax.restore_if_skipped`.
+`mpjax.snapshot_state(model, Fp8Meta)` / `mpjax.restore_if_skipped`. (The input and kernel
+amaxes could be written during the forward pass, the output gradient's cannot; taking all
+three from the cotangent keeps the roll of each history in one place, once per step.)
+
+Not covered: `nnx.Einsum` (no `dot_general`; it stays in the compute dtype) and layers
+stacked by `nnx.vmap` / `nnx.scan` (`apply_policy` raises for an eligible one).
 """
 
 from __future__ import annotations
@@ -65,6 +70,12 @@ class Fp8Meta(nnx.Variable):
     Not an `nnx.Param`: optimizers over `nnx.Param` leave it alone; filter it with
     `nnx.state(model, Fp8Meta)` to checkpoint it, and differentiate with respect to it
     (`nnx.DiffState(0, (nnx.Param, Fp8Meta))`) to collect the step's amaxes.
+
+    Example:
+      >>> recipe = mpjax.Fp8Recipe(scaling="delayed", amax_history_len=16)
+      >>> model = mpjax.apply_policy(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), "c=bf16", fp8=recipe)
+      >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(model, Fp8Meta)))
+      {'fp8_meta': {'amax_history': (3, 16), 'scale': (3,)}}
     """
 
 
