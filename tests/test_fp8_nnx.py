@@ -253,7 +253,7 @@ def test_jit_named_sharding_amax_is_global():
     np.testing.assert_allclose(shards[0][0], 448.0 / bf16_amax(x), rtol=1e-6)
 
 
-def test_nnx_jit_and_jax_jit_with_split_merge_agree_bitwise():
+def test_nnx_jit_jax_jit_split_merge_and_jax_grad_agree_bitwise():
     recipe = delayed(amax_history_len=4)
     rng = np.random.default_rng(6)
     xs = [wide(rng, (64, 64), 2.0) * 10.0**k for k in (0, 2, -1)]
@@ -266,8 +266,23 @@ def test_nnx_jit_and_jax_jit_with_split_merge_agree_bitwise():
     step = jax.jit(_split_step(graphdef, recipe))
     for x in xs:  # jax.jit over nnx.split state
         state = step(state, x)
+    graphdef, params, meta = nnx.split(make(recipe), nnx.Param, Fp8Meta)
+
+    @jax.jit
+    def pure_step(meta, x):  # jax.grad over the split states, the Fp8Meta part to update
+        def loss(p, m):
+            return mse(nnx.merge(graphdef, p, m), x)
+
+        _, meta_grads = jax.grad(loss, (0, 1))(params, meta)
+        model = nnx.merge(graphdef, params, meta)
+        update_nnx_fp8_meta(model, meta_grads, recipe)
+        return nnx.state(model, Fp8Meta)
+
+    for x in xs:
+        meta = pure_step(meta, x)
     assert np.asarray(pure(a)["l1"]["fp8_meta"]["amax_history"])[:, :3].all()
     assert same_bits(pure(a), nnx.to_pure_dict(nnx.state(state, Fp8Meta)))
+    assert same_bits(pure(a), nnx.to_pure_dict(meta))
 
 
 # ----------------------------------------------------------------------------- training state
