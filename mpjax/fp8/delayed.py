@@ -153,22 +153,24 @@ def _is_site(node: Any) -> bool:
 
 
 def _update_site(site: Mapping, seen: jnp.ndarray, recipe: Fp8Recipe) -> dict:
+    """One site's new state; leading axes (stacked layers: `[..., 3, L]`) are batched over."""
     history = jnp.asarray(site["amax_history"], _F32)
     old_scale = jnp.asarray(site["scale"], _F32)
     seen = jnp.asarray(seen, _F32)
     finite = jnp.isfinite(seen)
-    rolled = jnp.roll(history, 1, axis=1).at[:, 0].set(seen)
-    history = jnp.where(finite[:, None], rolled, history)  # a NaN/inf amax is never recorded
+    rolled = jnp.roll(history, 1, axis=-1).at[..., 0].set(seen)
+    history = jnp.where(finite[..., None], rolled, history)  # a NaN/inf amax is never recorded
     if recipe.amax_compute == "max":
-        reduced = jnp.max(history, axis=1)
+        reduced = jnp.max(history, axis=-1)
     else:
-        reduced = history[:, 0]
+        reduced = history[..., 0]
     pow2 = recipe.power_of_two
     scale = jnp.concatenate(
         [
-            compute_scale(reduced[:2], recipe.forward_dtype, recipe.margin, pow2),
-            compute_scale(reduced[2:], recipe.backward_dtype, recipe.margin, pow2),
-        ]
+            compute_scale(reduced[..., :2], recipe.forward_dtype, recipe.margin, pow2),
+            compute_scale(reduced[..., 2:], recipe.backward_dtype, recipe.margin, pow2),
+        ],
+        axis=-1,
     )
     scale = jnp.where(reduced > 0, scale, old_scale)  # amax 0: keep the last (finite) scale
     return {"amax_history": history, "scale": scale}
@@ -186,7 +188,8 @@ def update_fp8_meta(fp8_meta: Any, fp8_meta_grads: Any, recipe: Fp8Recipe) -> di
     Call it inside the jitted train step, after `jax.grad`; under `loss_scaled`, wrap it in
     `mpjax.keep_if_skipped(new_meta, old_meta, opt_state)` so a skipped step leaves the meta
     bit-identical. A module called twice in one step gets the sum of its calls' amaxes (an
-    upper bound of their max).
+    upper bound of their max). A site with leading axes (`[..., 3, L]`: stacked layers) is
+    updated layer by layer.
 
     Args:
       fp8_meta: the `"fp8_meta"` collection (from `model.init`).

@@ -23,8 +23,9 @@ propagate) and under `jax.jit` with `nnx.split` / `nnx.merge` (return `nnx.state
 amaxes could be written during the forward pass, the output gradient's cannot; taking all
 three from the cotangent keeps the roll of each history in one place, once per step.)
 
-Not covered: `nnx.Einsum` (no `dot_general`; it stays in the compute dtype) and layers
-stacked by `nnx.vmap` / `nnx.scan` (`apply_policy` raises for an eligible one).
+Layers stacked by `nnx.vmap` (kernel `[layers, in, out]`, run under `nnx.scan`) get stacked
+state, split by the transform along the layer axis like their kernel. Not covered:
+`nnx.Einsum` (no `dot_general`; it stays in the compute dtype).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
@@ -81,10 +83,12 @@ class Fp8Meta(nnx.Variable):
 
 @dataclasses.dataclass(frozen=True)
 class _Fp8Record:
-    """Static record on a covered module: its delayed-fp8 config and site name."""
+    """Static record on a covered module: its delayed-fp8 config, site name and the kernel's
+    stacked leading shape (`()`, or `(layers,)` for layers made by `nnx.vmap`)."""
 
     config: DelayedFp8
     name: str
+    stacked: tuple[int, ...] = ()
 
 
 def _custom_dot(module: nnx.Module) -> bool:
@@ -127,9 +131,10 @@ def plan_nnx_fp8(module: nnx.Module, name: str, config: DelayedFp8 | None) -> _F
     multiples of 16 and at least `recipe.min_dim`, without batch axes and not matched by
     `recipe.exclude` (patterns on `name`, e.g. `"Model/blocks/0/head"`), gets state;
     `recipe.exclude_if` sees the input's shape, so it is asked at call time (an excluded call
-    runs in the compute dtype and records amax 0). Layers stacked by `nnx.vmap` / `nnx.scan`
-    (a kernel with leading layer axes) are not covered: one whose layer kernel is eligible
-    raises, so that nothing silently stays in the compute dtype.
+    runs in the compute dtype and records amax 0). Layers stacked by `nnx.vmap` (a kernel
+    with leading layer axes, run under `nnx.scan` / `nnx.vmap`) are judged on one layer's
+    kernel and get stacked state (`[layers, 3, L]`, `[layers, 3]`), which the transform
+    must split along the layer axis like the kernel.
 
     Args:
       module: any NNX module (others than `NNX_DELAYED_MODULES` get nothing).
@@ -137,20 +142,14 @@ def plan_nnx_fp8(module: nnx.Module, name: str, config: DelayedFp8 | None) -> _F
       config: the delayed-fp8 configuration, or None (no state).
 
     Raises:
-      ValueError: the module sets its own `dot_general`, has a stacked kernel, or already
-        has an unrelated attribute named `fp8_meta`.
+      ValueError: the module sets its own `dot_general`, or already has an unrelated
+        attribute named `fp8_meta`.
     """
     if config is None or not isinstance(module, NNX_DELAYED_MODULES):
         return None
     site, stacked = _kernel_site(module, name)
     if excluded_by_name(config.recipe, name) or not kernel_eligible(config.recipe, site, False):
         return None
-    if stacked:
-        raise ValueError(
-            f"apply_policy(fp8=...): module {name!r} has a stacked kernel "
-            f"{tuple(module.kernel.shape)} (layers made by nnx.vmap / nnx.scan), which delayed "
-            "fp8 does not cover; exclude it with Fp8Recipe(exclude=...)"
-        )
     if _custom_dot(module):
         raise ValueError(
             f"apply_policy(fp8=...): module {name!r} sets its own dot_general/dot_general_cls; "
@@ -161,7 +160,7 @@ def plan_nnx_fp8(module: nnx.Module, name: str, config: DelayedFp8 | None) -> _F
         raise ValueError(
             f"apply_policy(fp8=...): module {name!r} already has an attribute {META_ATTR!r}"
         )
-    return _Fp8Record(config, name)
+    return _Fp8Record(config, name, tuple(module.kernel.shape)[:stacked])
 
 
 def set_nnx_fp8(module: nnx.Module, record: _Fp8Record | None) -> None:
@@ -172,7 +171,10 @@ def set_nnx_fp8(module: nnx.Module, record: _Fp8Record | None) -> None:
     if record is None:
         _detach(module)
         return
-    fresh = init_fp8_meta(record.config.recipe)
+    fresh = {
+        k: jnp.broadcast_to(v, record.stacked + v.shape)
+        for k, v in init_fp8_meta(record.config.recipe).items()
+    }
     existing = vars(module).get(META_ATTR)
     if existing is None or any(
         np.shape(existing[k][...]) != fresh[k].shape for k in ("amax_history", "scale")
@@ -189,8 +191,9 @@ def nnx_delayed_override(module: nnx.Module):
     call and the activation's free size is a multiple of 16; else in the compute dtype.
 
     Raises:
-      ValueError: the call passes `out_sharding` to an fp8 GEMM, or the module got its own
-        `dot_general` after `apply_policy`.
+      ValueError: the call passes `out_sharding` to an fp8 GEMM; the module got its own
+        `dot_general` after `apply_policy`; a stacked layer's scale reaches the call
+        unsplit (a scan that splits the params but not the `Fp8Meta`).
     """
     record = vars(module).get(_SITE_ATTR)
     if record is None:
@@ -215,6 +218,12 @@ def nnx_delayed_override(module: nnx.Module):
                 "which the fp8 GEMM does not take; exclude it with Fp8Recipe(exclude=...)"
             )
         scale = getattr(module, META_ATTR)["scale"][...]
+        if np.shape(scale) != (3,):
+            raise ValueError(
+                f"apply_policy(fp8=...): module {record.name!r} sees an fp8 scale of shape "
+                f"{np.shape(scale)}, not (3,): run stacked layers under nnx.scan / nnx.vmap "
+                "with their Fp8Meta split along the layer axis, as their nnx.Param"
+            )
         return delayed_site_dot(
             lhs, rhs, dims, scale, recipe, axis_name, precision, preferred_element_type
         )

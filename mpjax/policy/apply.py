@@ -63,9 +63,8 @@ def apply_policy(
         the same framework, a string, or `"*"`.
       ValueError: an invalid regex or policy spec, naming the selector; at call time,
         a module matched by two rules of the same kind, naming both; `fp8` with a
-        current-scaling recipe (use `autocast`), a Dense/Linear with its own
-        `dot_general` that no `exclude` pattern excludes, or an eligible NNX layer stacked
-        by `nnx.vmap` / `nnx.scan`.
+        current-scaling recipe (use `autocast`), or a Dense/Linear with its own
+        `dot_general` that no `exclude` pattern excludes.
 
     Example:
       >>> import flax.linen as nn
