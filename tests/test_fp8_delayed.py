@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import errors as flax_errors
-from flax import nnx, serialization
+from flax import serialization
 from jax.sharding import NamedSharding, PartitionSpec
 from test_fp8_autocast import TOL_E4M3, TOL_E5M2, f64_grads, gemm_operand_dtypes, rel_err, wide
 
@@ -382,8 +382,6 @@ def test_bad_input_is_named():
         mpjax.apply_policy(MLP(), BF16, fp8="e4m3")
     with pytest.raises(ValueError, match="fp8_axis_name"):
         mpjax.apply_policy(MLP(), BF16, fp8_axis_name="batch")
-    with pytest.raises(ValueError, match="linen"):
-        mpjax.apply_policy(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), BF16, fp8=delayed())
     custom = nn.Dense(128, dot_general=jax.lax.dot_general, name="mine")
     model = mpjax.apply_policy(custom, BF16, fp8=delayed())
     with pytest.raises(ValueError, match="Dense/mine|dot_general"):
@@ -403,3 +401,29 @@ def test_bad_input_is_named():
         update_fp8_meta({"a": {}}, {"a": {}}, recipe)
     with pytest.raises(ValueError, match="scaling='delayed'"):
         mpjax.fp8.fp8_dot_general(x, x.T, (((1,), (0,)), ((), ())), recipe, jnp.bfloat16)
+
+
+class OwnDot(nn.Module):
+    """A Dense with its own dot_general (doubling the product) after a plain one."""
+
+    @nn.compact
+    def __call__(self, x):
+        def doubled(*args, **kwargs):
+            return 2 * jax.lax.dot_general(*args, **kwargs)
+
+        h = nn.Dense(128)(x)
+        return nn.Dense(64, use_bias=False, dot_general=doubled, name="mine")(h)
+
+
+def test_a_dense_with_its_own_dot_general_excluded_by_pattern_keeps_it():
+    """The error for a custom dot_general says "exclude it": excluding it must then work."""
+    recipe = delayed(amax_history_len=2, exclude=("*/mine",))
+    model = mpjax.apply_policy(OwnDot(), F32, fp8=recipe)
+    x = wide(np.random.default_rng(12), (16, 64), 1.0)
+    v = model.init(jax.random.key(0), x)
+    assert set(v["fp8_meta"]) == {"Dense_0"}
+    out = model.apply(v, x)
+    ref = OwnDot().apply({"params": v["params"]}, x)  # no policy, no fp8: the doubled product
+    first = x @ np.asarray(v["params"]["Dense_0"]["kernel"]) + v["params"]["Dense_0"]["bias"]
+    assert rel_err(ref, 2 * first @ np.asarray(v["params"]["mine"]["kernel"])) < 1e-5
+    assert rel_err(out, ref) < TOL_E4M3  # Dense_0 in fp8, "mine" its own doubled product

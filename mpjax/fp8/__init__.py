@@ -3,6 +3,7 @@
 from mpjax.fp8.conv import fp8_conv_1x1
 from mpjax.fp8.delayed import FP8_META, delayed_fp8_dot_general, init_fp8_meta, update_fp8_meta
 from mpjax.fp8.dot import fp8_dot_general, fp8_eligible
+from mpjax.fp8.nnx_delayed import Fp8Meta, update_nnx_fp8_meta
 from mpjax.fp8.quant import amax, compute_scale, dequantize, fp8_max, quantize
 from mpjax.fp8.recipe import FP8_DTYPES, Fp8Recipe, Fp8Site
 from mpjax.fp8.report import Fp8Op, fp8_ops
@@ -10,6 +11,7 @@ from mpjax.fp8.report import Fp8Op, fp8_ops
 __all__ = [
     "FP8_DTYPES",
     "FP8_META",
+    "Fp8Meta",
     "Fp8Op",
     "Fp8Recipe",
     "Fp8Site",
@@ -25,4 +27,5 @@ __all__ = [
     "init_fp8_meta",
     "quantize",
     "update_fp8_meta",
+    "update_nnx_fp8_meta",
 ]

@@ -10,6 +10,8 @@ to `update_fp8_meta`, which rolls the histories and recomputes the scales.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,9 +22,17 @@ from jax import lax
 
 from mpjax.fp8.dot import _grad_lhs_layout, _grad_rhs_layout, _scaled_gemm
 from mpjax.fp8.quant import compute_scale, quantize
-from mpjax.fp8.recipe import Fp8Recipe
+from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
-__all__ = ["FP8_META", "delayed_fp8_dot_general", "init_fp8_meta", "update_fp8_meta"]
+__all__ = [
+    "FP8_META",
+    "delayed_fp8_dot_general",
+    "delayed_site_dot",
+    "excluded_by_name",
+    "init_fp8_meta",
+    "kernel_eligible",
+    "update_fp8_meta",
+]
 
 FP8_META = "fp8_meta"  # the variable collection of the delayed-scaling state
 _F32 = jnp.float32
@@ -100,27 +110,67 @@ def delayed_fp8_dot_general(
     return op(lhs, rhs, jnp.asarray(scale, _F32))
 
 
+def kernel_eligible(recipe: Fp8Recipe, site: Fp8Site, ask_exclude: bool = True) -> bool:
+    """Whether a GEMM site gets delayed-scaling state: judged on its kernel (`rhs`) only.
+
+    No batch dimensions; the kernel's contracting and output sizes multiples of 16 and at
+    least `recipe.min_dim`; not excluded by `recipe.exclude` / `exclude_if` (unless
+    `ask_exclude` is False). The activation's shape plays no part, so the state exists
+    whatever the input (linen `init` and `apply` agree; NNX creates it in `apply_policy`);
+    `delayed_site_dot` checks the activation's free size at call time.
+    """
+    (_, rc), (lb, _) = site.dimension_numbers
+    if lb:
+        return False
+    rhs = site.rhs_shape
+    k = math.prod(rhs[i] for i in rc)
+    n = math.prod(s for i, s in enumerate(rhs) if i not in rc)
+    if any(s < recipe.min_dim or s % 16 for s in (k, n)):
+        return False
+    return not (ask_exclude and recipe.excludes(site))
+
+
+def excluded_by_name(recipe: Fp8Recipe, name: str) -> bool:
+    """Whether `recipe.exclude`'s patterns (not `exclude_if`, which needs shapes) match `name`."""
+    return dataclasses.replace(recipe, exclude_if=None).excludes(Fp8Site(name, (), (), None))
+
+
+def delayed_site_dot(
+    lhs, rhs, dims, scale, recipe: Fp8Recipe, axis_name=None, precision=None, preferred=None
+):
+    """An eligible site's GEMM: `delayed_fp8_dot_general` if the activation's free size is a
+    multiple of 16, else `lax.dot_general` in the compute dtype (recording amax 0)."""
+    (lc, _), _ = dims
+    m = math.prod(s for i, s in enumerate(np.shape(lhs)) if i not in lc)
+    if m % 16:
+        return lax.dot_general(lhs, rhs, dims, precision, preferred)
+    compute = preferred or lhs.dtype
+    return delayed_fp8_dot_general(lhs, rhs, dims, scale, recipe, compute, axis_name)
+
+
 def _is_site(node: Any) -> bool:
     return isinstance(node, Mapping) and "amax_history" in node and "scale" in node
 
 
 def _update_site(site: Mapping, seen: jnp.ndarray, recipe: Fp8Recipe) -> dict:
+    """One site's new state; leading axes (stacked layers: `[..., 3, L]`) are batched over."""
     history = jnp.asarray(site["amax_history"], _F32)
     old_scale = jnp.asarray(site["scale"], _F32)
     seen = jnp.asarray(seen, _F32)
     finite = jnp.isfinite(seen)
-    rolled = jnp.roll(history, 1, axis=1).at[:, 0].set(seen)
-    history = jnp.where(finite[:, None], rolled, history)  # a NaN/inf amax is never recorded
+    rolled = jnp.roll(history, 1, axis=-1).at[..., 0].set(seen)
+    history = jnp.where(finite[..., None], rolled, history)  # a NaN/inf amax is never recorded
     if recipe.amax_compute == "max":
-        reduced = jnp.max(history, axis=1)
+        reduced = jnp.max(history, axis=-1)
     else:
-        reduced = history[:, 0]
+        reduced = history[..., 0]
     pow2 = recipe.power_of_two
     scale = jnp.concatenate(
         [
-            compute_scale(reduced[:2], recipe.forward_dtype, recipe.margin, pow2),
-            compute_scale(reduced[2:], recipe.backward_dtype, recipe.margin, pow2),
-        ]
+            compute_scale(reduced[..., :2], recipe.forward_dtype, recipe.margin, pow2),
+            compute_scale(reduced[..., 2:], recipe.backward_dtype, recipe.margin, pow2),
+        ],
+        axis=-1,
     )
     scale = jnp.where(reduced > 0, scale, old_scale)  # amax 0: keep the last (finite) scale
     return {"amax_history": history, "scale": scale}
@@ -138,7 +188,8 @@ def update_fp8_meta(fp8_meta: Any, fp8_meta_grads: Any, recipe: Fp8Recipe) -> di
     Call it inside the jitted train step, after `jax.grad`; under `loss_scaled`, wrap it in
     `mpjax.keep_if_skipped(new_meta, old_meta, opt_state)` so a skipped step leaves the meta
     bit-identical. A module called twice in one step gets the sum of its calls' amaxes (an
-    upper bound of their max).
+    upper bound of their max). A site with leading axes (`[..., 3, L]`: stacked layers) is
+    updated layer by layer.
 
     Args:
       fp8_meta: the `"fp8_meta"` collection (from `model.init`).

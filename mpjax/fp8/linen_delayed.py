@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import numpy as np
 from jax import lax
 
-from mpjax.fp8.delayed import FP8_META, delayed_fp8_dot_general, init_fp8_meta
+from mpjax.fp8.delayed import (
+    FP8_META,
+    delayed_site_dot,
+    excluded_by_name,
+    init_fp8_meta,
+    kernel_eligible,
+)
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = ["DELAYED_MODULES", "DelayedFp8", "check_policy_fp8", "delayed_fp8_override"]
@@ -42,19 +47,6 @@ def check_policy_fp8(fp8: Any, axis_name: Any) -> DelayedFp8 | None:
     return DelayedFp8(fp8, axis_name)
 
 
-def _static_eligible(recipe: Fp8Recipe, site: Fp8Site) -> bool:
-    """Whether the site gets fp8 state: judged on the kernel only (init and apply agree)."""
-    (_, rc), (lb, _) = site.dimension_numbers
-    if lb:
-        return False
-    rhs = site.rhs_shape
-    k = math.prod(rhs[i] for i in rc)
-    n = math.prod(s for i, s in enumerate(rhs) if i not in rc)
-    if any(s < recipe.min_dim or s % 16 for s in (k, n)):
-        return False
-    return not recipe.excludes(site)
-
-
 @contextlib.contextmanager
 def delayed_fp8_override(module: nn.Module, name: str, config: DelayedFp8 | None):
     """For one call of a `Dense`/`DenseGeneral`, sets its `dot_general` to the delayed fp8 one.
@@ -72,6 +64,9 @@ def delayed_fp8_override(module: nn.Module, name: str, config: DelayedFp8 | None
         yield
         return
     if module.dot_general is not None or module.dot_general_cls is not None:
+        if excluded_by_name(config.recipe, name):  # excluded: its own dot_general runs
+            yield
+            return
         raise ValueError(
             f"apply_policy(fp8=...): module {name!r} sets its own dot_general/dot_general_cls; "
             "exclude it with Fp8Recipe(exclude=...) or drop its custom dot_general"
@@ -80,19 +75,14 @@ def delayed_fp8_override(module: nn.Module, name: str, config: DelayedFp8 | None
 
     def dot(lhs, rhs, dims, precision=None, preferred_element_type=None):
         site = Fp8Site(name, np.shape(lhs), np.shape(rhs), dims)
-        if not _static_eligible(recipe, site):
+        if not kernel_eligible(recipe, site):
             return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type)
         state = init_fp8_meta(recipe)
         history = module.variable(FP8_META, "amax_history", lambda: state["amax_history"])
         scale = module.variable(FP8_META, "scale", lambda: state["scale"])
         del history  # updated by update_fp8_meta, outside the forward pass
-        (lc, _), _ = dims
-        m = math.prod(s for i, s in enumerate(np.shape(lhs)) if i not in lc)
-        if m % 16:
-            return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type)
-        compute = preferred_element_type or lhs.dtype
-        return delayed_fp8_dot_general(
-            lhs, rhs, dims, scale.value, recipe, compute, config.axis_name
+        return delayed_site_dot(
+            lhs, rhs, dims, scale.value, recipe, config.axis_name, precision, preferred_element_type
         )
 
     saved = module.__dict__.get("dot_general")

@@ -43,11 +43,14 @@ def apply_policy(
         returned).
       policy: the policy or rule mapping.
       defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
-      fp8: linen only: an `Fp8Recipe(scaling="delayed")`; every `nn.Dense` /
-        `nn.DenseGeneral` the policy covers whose kernel is eligible (sizes multiples of
-        16, at least `min_dim`; not excluded by `exclude` patterns on `"Model/path"`)
-        runs fp8 GEMMs with delayed scaling, its state in the `"fp8_meta"` collection
-        (see `mpjax.fp8.update_fp8_meta`).
+      fp8: an `Fp8Recipe(scaling="delayed")`; every linen `nn.Dense` / `nn.DenseGeneral`
+        or NNX `nnx.Linear` / `nnx.LinearGeneral` the policy covers whose kernel is
+        eligible (sizes multiples of 16, at least `min_dim`, no batch axes; not excluded
+        by `exclude` patterns on `"Model/path"`) runs fp8 GEMMs with delayed scaling. Linen
+        keeps the state in the `"fp8_meta"` collection (see `mpjax.fp8.update_fp8_meta`);
+        NNX in `mpjax.fp8.Fp8Meta` variables, created here (see
+        `mpjax.fp8.update_nnx_fp8_meta`). `nn.Einsum` / `nnx.Einsum` stay in the compute
+        dtype.
       fp8_axis_name: the pmap/shard_map axis name the amaxes are reduced over (`pmax`),
         so every replica uses the same scale; under jit with sharded (global) arrays
         the amaxes are global already.
@@ -60,8 +63,8 @@ def apply_policy(
         the same framework, a string, or `"*"`.
       ValueError: an invalid regex or policy spec, naming the selector; at call time,
         a module matched by two rules of the same kind, naming both; `fp8` with a
-        current-scaling recipe (use `autocast`), on an NNX model, or a Dense with its
-        own `dot_general`.
+        current-scaling recipe (use `autocast`), or a Dense/Linear with its own
+        `dot_general` that no `exclude` pattern excludes.
 
     Example:
       >>> import flax.linen as nn
@@ -71,12 +74,7 @@ def apply_policy(
     if isinstance(module, nn.Module):
         return apply_linen_policy(module, policy, defaults=defaults, fp8=fp8_config)
     if isinstance(module, nnx.Module):
-        if fp8_config is not None:
-            raise ValueError(
-                "apply_policy: fp8 delayed scaling is implemented for flax.linen modules only; "
-                "for an NNX model use mpjax.autocast(fn, policy, fp8=Fp8Recipe()) (current scaling)"
-            )
-        return apply_nnx_policy(module, policy, defaults=defaults)
+        return apply_nnx_policy(module, policy, defaults=defaults, fp8=fp8_config)
     raise TypeError(
         "apply_policy expects a flax.linen.Module or a flax.nnx.Module, "
         f"got {type(module).__name__}"

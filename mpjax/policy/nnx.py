@@ -26,6 +26,7 @@ checkpoint) is unchanged apart from parameter dtypes. Container modules (`nnx.Li
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -37,6 +38,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
+from mpjax.fp8.linen_delayed import DelayedFp8
+from mpjax.fp8.nnx_delayed import nnx_delayed_override, plan_nnx_fp8, set_nnx_fp8
 from mpjax.policy.defaults import DEFAULTS, Defaults
 from mpjax.policy.policy import Policy, _is_floating_array
 from mpjax.policy.rules import field_overrides, parse_rules, resolve
@@ -214,9 +217,10 @@ def _policy_method(self, fn, args, kwargs):
         nnx.dot_product_attention,
         float32_softmax_attention,
     )
+    fp8 = nnx_delayed_override(self) if fn.__name__ == "__call__" else contextlib.nullcontext()
     token = _CALL_STACK.set(stack + (self,))
     try:
-        with overrides:
+        with overrides, fp8:
             args, kwargs = _cast((args, kwargs), info.policy.compute_dtype)
             out = fn(self, *args, **kwargs)
     finally:
@@ -269,11 +273,17 @@ def _base_class(cls: type) -> type:
     return cls.__dict__.get("_mpjax_base", cls)
 
 
-def apply_nnx_policy(model: nnx.Module, policy: Any, *, defaults: Defaults = DEFAULTS):
+def apply_nnx_policy(
+    model: nnx.Module,
+    policy: Any,
+    *,
+    defaults: Defaults = DEFAULTS,
+    fp8: DelayedFp8 | None = None,
+):
     """Applies per-module precision policies to an NNX model, in place.
 
     Re-applying replaces the previous policies; modules no rule covers get their
-    original class back.
+    original class back (and lose any fp8 state).
 
     Args:
       model: an `nnx.Module`; modified in place.
@@ -281,6 +291,8 @@ def apply_nnx_policy(model: nnx.Module, policy: Any, *, defaults: Defaults = DEF
         `mpjax.policy.rules`); paths are attribute paths joined by "/" (list
         elements by index, e.g. `"blocks/0/attn"`).
       defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
+      fp8: delayed fp8 scaling of the covered `nnx.Linear` / `nnx.LinearGeneral` GEMMs
+        (see `mpjax.fp8.nnx_delayed`), or None.
 
     Returns:
       `model`.
@@ -300,14 +312,19 @@ def apply_nnx_policy(model: nnx.Module, policy: Any, *, defaults: Defaults = DEF
     modules = [(p, n) for p, n in nnx.iter_graph(model) if _is_module_node(n)]
     modules.sort(key=lambda item: len(item[0]))
     module_paths = {path for path, _ in modules}
-    resolved = {}
-    for path, module in modules:
+    root_name = _base_class(type(model)).__name__
+    resolved, plans = {}, []
+    for path, module in modules:  # resolve and validate everything before changing anything
         base = _base_class(type(module))
         owner = _owner(path, module_paths)
         parent = resolved.get(owner) if owner is not None else None
         text = "/".join(str(part) for part in path)
         res = resolve(rules, defaults, base, text, parent, is_root=path == ())
         resolved[path] = res
+        site = plan_nnx_fp8(module, f"{root_name}/{text}", fp8 if res is not None else None)
+        plans.append((module, base, text, res, site))
+    for module, base, text, res, site in plans:
+        set_nnx_fp8(module, site)
         if res is None or isinstance(module, _CONTAINERS):
             object.__setattr__(module, "__class__", base)
             if _ATTR in vars(module):
