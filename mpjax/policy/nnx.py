@@ -94,50 +94,39 @@ def float32_softmax_attention(
     promote_dtype=nnx_dtypes.promote_dtype,
     is_causal: bool = False,
 ):
-    """`flax.nnx.dot_product_attention` with the softmax in float32.
+    """`flax.nnx.dot_product_attention` with the softmax in float32 and low-precision GEMMs.
 
-    Without dropout and weight sowing Flax already calls `jax.nn.dot_product_attention`,
-    whose softmax runs in float32, and this defers to it. Otherwise Flax runs the
-    softmax in the input dtype; here the logits are computed on input-dtype operands,
-    the softmax in float32, and the weights are cast back before the second matmul.
+    Same signature and result as Flax's (within the compute dtype's rounding). The logits
+    are a GEMM on the input-dtype operands, cast to float32 (or wider) for the scaling,
+    bias, masks and softmax, and the weights are cast back to the input dtype before the
+    second GEMM, so both GEMMs and their gradients run on input-dtype (e.g. bfloat16)
+    operands. (`jax.nn.dot_product_attention`, which Flax calls without dropout, forms
+    float32 logits from the GEMM itself, so its backward GEMMs take a float32 cotangent.)
+    Masked logits are set to the float32 minimum: a fully masked row attends uniformly.
+    Key/value heads may divide the query heads (grouped-query attention).
 
     Returns:
       Output of shape `[batch..., q_length, num_heads, v_depth_per_head]`.
     """
-    if dropout_rate == 0.0 and module is None:
-        return nnx.dot_product_attention(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            broadcast_dropout,
-            dropout_rng,
-            dropout_rate,
-            deterministic,
-            dtype,
-            precision,
-            module,
-            promote_dtype,
-            is_causal,
-        )
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     dtype = query.dtype
+    _check_qkv(query, key, value)
     if query.shape[-2] != key.shape[-2]:  # grouped-query attention: repeat kv heads
         reps = query.shape[-2] // key.shape[-2]
         key, value = jnp.repeat(key, reps, axis=-2), jnp.repeat(value, reps, axis=-2)
-    query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+    softmax_dtype = jnp.promote_types(dtype, jnp.float32)
     logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    # The cast (not the GEMM's result type) widens: the gradient GEMMs stay in `dtype`.
+    logits = logits.astype(softmax_dtype) / jnp.sqrt(query.shape[-1]).astype(softmax_dtype)
     if bias is not None:
-        logits = logits + bias
+        logits = (logits + bias).astype(softmax_dtype)
     masks = [] if mask is None else [mask]
     if is_causal:
         t, s = logits.shape[-2:]
         masks.append(jnp.tril(jnp.ones((t, s), dtype=jnp.bool_)))
-    logits = logits.astype(jnp.float32)
     if masks:
         keep = functools.reduce(jnp.logical_and, [jnp.asarray(m, jnp.bool_) for m in masks])
-        logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
+        logits = jnp.where(keep, logits, jnp.finfo(softmax_dtype).min)
     weights = jax.nn.softmax(logits)
     if module is not None:
         module.sow(nnx.Intermediate, "attention_weights", weights)
@@ -150,6 +139,26 @@ def float32_softmax_attention(
         weights = weights * (keep.astype(weights.dtype) / keep_prob)
     weights = weights.astype(dtype)
     return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
+def _check_qkv(query, key, value) -> None:
+    """Raises a ValueError naming the mismatch of attention `query`, `key`, `value` shapes."""
+    if not query.ndim == key.ndim == value.ndim or query.ndim < 3:
+        raise ValueError(
+            "query, key and value must have the same rank >= 3 ([batch..., length, heads, "
+            f"depth]); got shapes {query.shape}, {key.shape}, {value.shape}"
+        )
+    if key.shape[-3] != value.shape[-3] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length and heads; got {key.shape}, {value.shape}"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key depths differ: query {query.shape}, key {key.shape}")
+    if query.shape[-2] % key.shape[-2]:
+        raise ValueError(
+            f"query heads ({query.shape[-2]}) must be a multiple of key/value heads "
+            f"({key.shape[-2]})"
+        )
 
 
 def _is_module_node(node: Any) -> bool:
