@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -27,11 +28,15 @@ def check_autocast_recipe(recipe: Any) -> Fp8Recipe | None:
     return recipe
 
 
-def fp8_lower(recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list) -> list | None:
+def fp8_lower(
+    recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list, lhs_quant: Callable | None = None
+) -> list | None:
     """The fp8 GEMM for a `dot_general` equation, or None if it stays in the compute dtype.
 
     `vals` are the operands in the dtypes they arrived in (float32 masters are quantised
-    directly, without a compute-dtype copy); the output is in `compute`.
+    directly, without a compute-dtype copy); the output is in `compute`. `lhs_quant()`, if
+    given, returns a float32 recomputation of the left operand to quantise (or None; see
+    `mpjax.fp8.recompute`).
     """
     if eqn.primitive.name != "dot_general" or len(vals) != 2:
         return None
@@ -41,4 +46,5 @@ def fp8_lower(recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list) -> list | N
     site = Fp8Site(str(eqn.source_info.name_stack), np.shape(vals[0]), np.shape(vals[1]), dims)
     if not fp8_eligible(recipe, site):
         return None
-    return [fp8_dot_general(vals[0], vals[1], dims, recipe, compute)]
+    quant = None if lhs_quant is None else lhs_quant()
+    return [fp8_dot_general(vals[0], vals[1], dims, recipe, compute, lhs_quant=quant)]

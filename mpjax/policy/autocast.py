@@ -40,6 +40,7 @@ from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
 from mpjax.fp8.autocast_hook import check_autocast_recipe, fp8_lower
 from mpjax.fp8.recipe import Fp8Recipe
+from mpjax.fp8.recompute import pointwise_chain, reevaluate_f32
 from mpjax.policy.autocast_rules import (
     ARG,
     FLEX,
@@ -107,6 +108,8 @@ def _eval_jaxpr(
     env: dict[Any, tuple[Any, int]] = {}
     casts: dict[tuple[Any, np.dtype], Any] = {}  # a variable is cast to a dtype once
     constant = set(jaxpr.constvars)  # variables computed from constants alone
+    # fp8: the equation producing each variable (an fp8 GEMM input's pointwise chain).
+    producers = {} if ctx.fp8 is None else {v: e for e in jaxpr.eqns for v in e.outvars}
 
     def read(atom):
         if isinstance(atom, Literal):
@@ -145,7 +148,10 @@ def _eval_jaxpr(
             if rule is not None:
                 outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
             else:
-                outs, out_origins = _first_order(ctx, eqn, list(vals), list(flags), cast_in)
+                requant = functools.partial(_requant, eqn, producers, env) if producers else None
+                outs, out_origins = _first_order(
+                    ctx, eqn, list(vals), list(flags), cast_in, requant
+                )
         for var, val, origin in zip(eqn.outvars, outs, out_origins, strict=True):
             write(var, val, origin)
         if all(isinstance(a, Literal) or a in constant for a in eqn.invars):
@@ -154,14 +160,24 @@ def _eval_jaxpr(
     return [r[0] for r in results], [r[1] for r in results]
 
 
+def _requant(eqn, producers: dict, env: dict):
+    """A float32 recomputation of `eqn`'s left operand for fp8 quantisation, or None."""
+    lhs = eqn.invars[0]
+    chain = None if isinstance(lhs, Literal) else pointwise_chain(lhs, producers)
+    return None if chain is None else reevaluate_f32(chain, lhs, lambda v: env[v][0])
+
+
 def _size(x: Any) -> int:
     return math.prod(np.shape(x))
 
 
-def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[list, list]:
+def _first_order(
+    ctx: _Ctx, eqn, vals: list, origins: list, cast_in, requant=None
+) -> tuple[list, list]:
     """Binds a first-order primitive with operands cast by its category.
 
-    `cast_in(i, dtype)` returns operand `i` cast to `dtype` (cached per variable).
+    `cast_in(i, dtype)` returns operand `i` cast to `dtype` (cached per variable);
+    `requant()` the float32 recomputation of an fp8 GEMM's left operand (or None).
     """
     prim, params = eqn.primitive, eqn.params
     name = prim.name
@@ -171,7 +187,7 @@ def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[li
     category = ctx.lists.category(name, params) if floats else None
 
     if category == "lower":
-        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals)
+        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
