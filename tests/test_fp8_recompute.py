@@ -1,0 +1,141 @@
+"""Tests for `mpjax.fp8.recompute`: fp8 GEMM inputs quantised from a float32 recomputation."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpjax
+from mpjax import Fp8Recipe
+from mpjax.fp8 import fp8_dot_general
+from mpjax.fp8.recompute import pointwise_chain, reevaluate_f32
+
+DENSE = (((1,), (0,)), ((), ()))
+POLICY = "params=float32,compute=bfloat16,output=float32"
+TOL_E4M3 = 0.05  # relative L2 error of an e4m3 x e4m3 GEMM vs float64 (tests/test_fp8_autocast)
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def wide(rng, shape, spread=3.0):
+    scale = np.exp(rng.uniform(-spread, spread, shape[:1] + (1,) * (len(shape) - 1)))
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def chain_of(fn, *args):
+    """(jaxpr, chain of its first output) for `fn` traced on `args`."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    return jaxpr, pointwise_chain(jaxpr.outvars[0], producers)
+
+
+def full_f32_ops(fn, args, name, shape):
+    """Equations `name` with a float32 output of `shape`, in `fn`'s jaxpr and sub-jaxprs."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                if eqn.primitive.name == name and v.aval.shape == shape:
+                    found.append(np.dtype(v.aval.dtype))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(64)(nn.gelu(nn.Dense(128)(x)))
+
+
+def test_gelu_input_of_fp8_gemm_is_quantised_from_float32_recomputation():
+    rng = np.random.default_rng(0)
+    model, x = MLP(), wide(rng, (64, 96), 2.0)
+    params = model.init(jax.random.key(0), x)
+    fwd = mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe())
+    tanhs = full_f32_ops(fwd, (params, x), "tanh", (64, 128))
+    # the gelu itself in bfloat16 (autocast's compute dtype) and its float32 recomputation
+    assert sorted(t.name for t in tanhs) == ["bfloat16", "float32"]
+    plain = mpjax.autocast(model.apply, POLICY)  # no fp8: nothing recomputed
+    assert [t.name for t in full_f32_ops(plain, (params, x), "tanh", (64, 128))] == ["bfloat16"]
+
+
+def test_pointwise_chain_needs_a_full_size_transcendental_and_stays_short():
+    x = jnp.ones((32, 16), jnp.bfloat16)
+    b = jnp.ones((16,), jnp.bfloat16)
+    _, gelu = chain_of(lambda x, b: jax.nn.gelu(x * 2 + b), x, b)
+    assert gelu is not None and {e.primitive.name for e in gelu} >= {"mul", "add"}
+    assert chain_of(lambda x, b: jax.nn.relu(x + b), x, b)[1] is None  # nothing costly
+    # a transcendental on a broadcast statistic only (LayerNorm's rsqrt) is not worth it
+    small = lambda x: x * jax.lax.rsqrt(jnp.mean(x, axis=1, keepdims=True))  # noqa: E731
+    assert chain_of(small, x)[1] is None
+
+    def long(x):
+        x = jnp.tanh(x)
+        for i in range(70):
+            x = x + i
+        return x
+
+    assert chain_of(long, x)[1] is None  # a residual stream: too long to re-evaluate
+
+
+def test_reevaluate_f32_matches_a_float32_evaluation():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(wide(rng, (32, 64), 2.0), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(64), jnp.bfloat16)
+    # constants exact in bfloat16 (the traced literals are bfloat16, as in the program)
+    fn = lambda x, b: (jnp.tanh(x * 0.5 + b) * 0.25 + x).astype(jnp.bfloat16)  # noqa: E731
+    jaxpr, chain = chain_of(fn, x, b)
+    values = dict(zip(jaxpr.invars, (x, b), strict=True))
+    out = reevaluate_f32(chain, jaxpr.outvars[0], values.__getitem__)
+    assert out.dtype == jnp.float32
+    x64, b64 = np.asarray(x, np.float64), np.asarray(b, np.float64)
+    ref = np.tanh(x64 * 0.5 + b64) * 0.25 + x64
+    assert rel_err(out, ref) < 1e-6  # float32 throughout; a bfloat16 step would give ~1e-3
+    assert rel_err(fn(x, b), ref) > 1e-4
+
+
+def test_lhs_quant_takes_the_scale_of_lhs_and_no_gradient():
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(wide(rng, (64, 128)), jnp.bfloat16)
+    w = rng.standard_normal((128, 96)).astype(np.float32)
+    rec = Fp8Recipe()
+    a64 = np.asarray(a, np.float64)
+    base = fp8_dot_general(a, w, DENSE, rec, jnp.bfloat16)
+    same = fp8_dot_general(a, w, DENSE, rec, jnp.bfloat16, lhs_quant=a.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(same))  # exact copy: bitwise
+    # quantising half of lhs with lhs's scale halves the product (the scale of `lhs_quant`
+    # would give the full product back)
+    half = fp8_dot_general(a, w, DENSE, rec, jnp.bfloat16, lhs_quant=0.5 * a.astype(jnp.float32))
+    assert rel_err(half, 0.5 * (a64 @ w)) < TOL_E4M3
+
+    def loss(x, q, y):
+        out = fp8_dot_general(x, y, DENSE, rec, jnp.bfloat16, lhs_quant=q)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    ga, gq, gw = jax.grad(loss, (0, 1, 2))(a, a.astype(jnp.float32), w)
+    ra, rw = jax.grad(lambda x, y: loss(x, None, y), (0, 1))(a, w)
+    assert not np.any(np.asarray(gq))
+    np.testing.assert_array_equal(np.asarray(ga), np.asarray(ra))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(rw))
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_non_finite_gemm_input_still_gives_non_finite_output(where):
+    """An inf before the gelu reaches the output through the recomputed quantisation."""
+    rng = np.random.default_rng(3)
+    model, x = MLP(), wide(rng, (64, 96), 2.0)
+    params = model.init(jax.random.key(0), x)
+    idx = {"first": 0, "middle": x.size // 2, "last": x.size - 1}[where]
+    x = x.reshape(-1).copy()
+    x[idx] = np.inf
+    fwd = jax.jit(mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe()))
+    out = np.asarray(fwd(params, x.reshape(64, 96)))
+    assert not np.all(np.isfinite(out))
