@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 import mpjax
 from mpjax import Fp8Recipe
 from mpjax.fp8 import fp8_dot_general
-from mpjax.fp8.recompute import pointwise_chain, reevaluate_f32
+from mpjax.fp8.recompute import exclusive_chains, pointwise_chain, recomputed, reevaluate_f32
 
 DENSE = (((1,), (0,)), ((), ()))
 POLICY = "params=float32,compute=bfloat16,output=float32"
@@ -139,3 +140,79 @@ def test_non_finite_gemm_input_still_gives_non_finite_output(where):
     fwd = jax.jit(mpjax.autocast(model.apply, POLICY, fp8=Fp8Recipe()))
     out = np.asarray(fwd(params, x.reshape(64, 96)))
     assert not np.all(np.isfinite(out))
+
+
+def _gelu_chain(x, b):
+    return jax.nn.gelu(x * 0.5 + b)
+
+
+def test_recomputed_keeps_only_inputs_and_gives_the_same_gradient(capsys):
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(wide(rng, (32, 64), 2.0), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(64), jnp.bfloat16)
+    g = jnp.asarray(wide(rng, (32, 64), 2.0), jnp.bfloat16)
+    print_saved_residuals(_gelu_chain, x, b)
+    plain = capsys.readouterr().out.strip().splitlines()
+    print_saved_residuals(recomputed(_gelu_chain), x, b)
+    kept = capsys.readouterr().out.strip().splitlines()
+    assert len(plain) > 2  # the plain chain keeps intermediates (tanh, ...)
+    assert kept == ["bf16[32,64] from the argument x", "bf16[64] from the argument b"]
+    out, vjp = jax.vjp(_gelu_chain, x, b)
+    out_r, vjp_r = jax.vjp(recomputed(_gelu_chain), x, b)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_r))
+    for a, r in zip(vjp(g), vjp_r(g), strict=True):  # same ops in the same dtypes
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32))
+    x64, b64, g64 = (np.asarray(v, np.float64) for v in (x, b, g))
+    z = x64 * 0.5 + b64
+    t = np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3))
+    dz = g64 * (
+        0.5 * (1 + t) + 0.5 * z * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z**2)
+    )
+    assert rel_err(vjp_r(g)[0], 0.5 * dz) < 0.02  # bfloat16 arithmetic
+    assert rel_err(vjp_r(g)[1], dz.sum(0)) < 0.02
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_recomputed_keeps_a_non_finite_cotangent_non_finite(where):
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(wide(rng, (16, 32)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(32), jnp.float32)
+    g = np.asarray(wide(rng, (16, 32)), np.float32).reshape(-1)
+    g[{"first": 0, "middle": g.size // 2, "last": g.size - 1}[where]] = np.inf
+    _, vjp = jax.vjp(recomputed(_gelu_chain), x, b)
+    dx, db = vjp(jnp.asarray(g.reshape(16, 32)))
+    assert not np.all(np.isfinite(np.asarray(dx))) and not np.all(np.isfinite(np.asarray(db)))
+
+
+def test_exclusive_chains_only_take_chains_nothing_else_reads():
+    x, w = jnp.ones((32, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+    b = jnp.ones((64,), jnp.bfloat16)
+    always = lambda eqn: True  # noqa: E731
+
+    def only_gemm(x, b, w):
+        return _gelu_chain(x, b) @ w
+
+    def also_output(x, b, w):
+        h = _gelu_chain(x, b)
+        return h @ w, h
+
+    jaxpr = jax.make_jaxpr(only_gemm)(x, b, w).jaxpr
+    (chain,) = exclusive_chains(jaxpr, always).values()
+    assert {e.primitive.name for e in chain} >= {"mul", "add"}
+    assert exclusive_chains(jaxpr, lambda eqn: False) == {}  # not an fp8 GEMM
+    assert exclusive_chains(jax.make_jaxpr(also_output)(x, b, w).jaxpr, always) == {}
+
+
+def test_autocast_fp8_keeps_no_gelu_intermediate_for_the_backward(capsys):
+    rng = np.random.default_rng(6)
+    model, x = MLP(), wide(rng, (64, 96), 2.0)
+    params = model.init(jax.random.key(0), x)
+    residuals = {}
+    for name, fp8 in (("bf16", None), ("fp8", Fp8Recipe())):
+        fwd = mpjax.autocast(model.apply, POLICY, fp8=fp8)
+        print_saved_residuals(lambda p, fwd=fwd: fwd(p, x).sum(), params)
+        residuals[name] = capsys.readouterr().out.strip().splitlines()
+    full = lambda lines: [r for r in lines if r.startswith("bf16[64,128]")]  # noqa: E731
+    assert any("output of tanh" in r for r in residuals["bf16"])
+    assert not any("tanh" in r for r in residuals["fp8"])
+    assert len(full(residuals["bf16"])) == 6 and len(full(residuals["fp8"])) == 1  # Dense_0 out

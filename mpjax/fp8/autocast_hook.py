@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from mpjax.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
+from mpjax.fp8.recompute import (
+    chain_roots,
+    exclusive_chains,
+    pointwise_chain,
+    recomputed,
+    reevaluate_f32,
+)
 
-__all__ = ["check_autocast_recipe", "fp8_lower"]
+__all__ = [
+    "check_autocast_recipe",
+    "evaluate_chain",
+    "fp8_candidate",
+    "fp8_chains",
+    "fp8_lower",
+    "requantised_lhs",
+]
 
 
 def check_autocast_recipe(recipe: Any) -> Fp8Recipe | None:
@@ -26,6 +42,18 @@ def check_autocast_recipe(recipe: Any) -> Fp8Recipe | None:
             "stateless function rewrite cannot keep; use scaling='tensorwise' or 'rowwise'"
         )
     return recipe
+
+
+def fp8_candidate(recipe: Fp8Recipe, eqn) -> bool:
+    """Whether `fp8_lower` takes a `dot_general` equation (judged from its traced shapes)."""
+    if eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
+        return False
+    avals = [v.aval for v in eqn.invars]
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in avals):
+        return False
+    name = str(eqn.source_info.name_stack)
+    site = Fp8Site(name, avals[0].shape, avals[1].shape, eqn.params["dimension_numbers"])
+    return fp8_eligible(recipe, site)
 
 
 def fp8_lower(
@@ -48,3 +76,50 @@ def fp8_lower(
         return None
     quant = None if lhs_quant is None else lhs_quant()
     return [fp8_dot_general(vals[0], vals[1], dims, recipe, compute, lhs_quant=quant)]
+
+
+def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
+    """{id(fp8 GEMM equation): the pointwise chain only it reads} (see `exclusive_chains`).
+
+    Empty without an fp8 recipe, or when the op lists keep `dot_general` out of the
+    lower-precision ops.
+    """
+    if ctx.fp8 is None or ctx.lists.category("dot_general", {}) != "lower":
+        return {}
+    return exclusive_chains(jaxpr, functools.partial(fp8_candidate, ctx.fp8))
+
+
+class _Chain(NamedTuple):
+    """A pointwise chain as a sub-jaxpr (the fields autocast's evaluator reads)."""
+
+    constvars: tuple
+    invars: tuple
+    eqns: tuple
+    outvars: tuple
+
+
+def evaluate_chain(evaluate: Callable, ctx: Any, chain: list, out: Any, env: dict) -> None:
+    """Evaluates `chain`, producing an fp8 GEMM's input `out`, into autocast's `env`.
+
+    `evaluate(ctx, jaxpr, consts, args, origins)` is autocast's evaluator; the chain runs
+    under its rules as usual, with a VJP that recomputes it (`recomputed`).
+    """
+    roots = chain_roots(chain)
+    sub = _Chain((), tuple(roots), tuple(chain), (out,))
+    origins = [env[r][1] for r in roots]
+    found = []
+
+    def primal(*vals):
+        outs, out_origins = evaluate(ctx, sub, (), vals, origins)
+        found.append(out_origins[0])
+        return outs[0]
+
+    value = recomputed(primal)(*[env[r][0] for r in roots])
+    env[out] = (value, found[-1])
+
+
+def requantised_lhs(eqn: Any, producers: dict, env: dict) -> Any:
+    """A float32 recomputation of `eqn`'s left operand to quantise (or None)."""
+    lhs = eqn.invars[0]
+    chain = None if isinstance(lhs, Literal) else pointwise_chain(lhs, producers)
+    return None if chain is None else reevaluate_f32(chain, lhs, lambda v: env[v][0])

@@ -38,9 +38,14 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
-from mpjax.fp8.autocast_hook import check_autocast_recipe, fp8_lower
+from mpjax.fp8.autocast_hook import (
+    check_autocast_recipe,
+    evaluate_chain,
+    fp8_chains,
+    fp8_lower,
+    requantised_lhs,
+)
 from mpjax.fp8.recipe import Fp8Recipe
-from mpjax.fp8.recompute import pointwise_chain, reevaluate_f32
 from mpjax.policy.autocast_rules import (
     ARG,
     FLEX,
@@ -108,8 +113,11 @@ def _eval_jaxpr(
     env: dict[Any, tuple[Any, int]] = {}
     casts: dict[tuple[Any, np.dtype], Any] = {}  # a variable is cast to a dtype once
     constant = set(jaxpr.constvars)  # variables computed from constants alone
-    # fp8: the equation producing each variable (an fp8 GEMM input's pointwise chain).
+    # fp8: the equation producing each variable (an fp8 GEMM input's pointwise chain), and
+    # the chains only an fp8 GEMM reads, evaluated at that GEMM (see mpjax/fp8/recompute).
     producers = {} if ctx.fp8 is None else {v: e for e in jaxpr.eqns for v in e.outvars}
+    chains = fp8_chains(ctx, jaxpr)
+    deferred = {id(e) for chain in chains.values() for e in chain}
 
     def read(atom):
         if isinstance(atom, Literal):
@@ -125,6 +133,10 @@ def _eval_jaxpr(
     for var, val, origin in zip(jaxpr.invars, args, origins, strict=True):
         write(var, val, origin)
     for eqn in jaxpr.eqns:
+        if id(eqn) in deferred:
+            continue
+        if id(eqn) in chains:
+            evaluate_chain(_eval_jaxpr, ctx, chains[id(eqn)], eqn.invars[0], env)
         vals, flags = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
 
         def cast_in(i, dtype, eqn=eqn, vals=vals, flags=flags):
@@ -148,7 +160,9 @@ def _eval_jaxpr(
             if rule is not None:
                 outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
             else:
-                requant = functools.partial(_requant, eqn, producers, env) if producers else None
+                requant = (
+                    functools.partial(requantised_lhs, eqn, producers, env) if producers else None
+                )
                 outs, out_origins = _first_order(
                     ctx, eqn, list(vals), list(flags), cast_in, requant
                 )
@@ -158,13 +172,6 @@ def _eval_jaxpr(
             constant.update(eqn.outvars)
     results = [read(v) for v in jaxpr.outvars]
     return [r[0] for r in results], [r[1] for r in results]
-
-
-def _requant(eqn, producers: dict, env: dict):
-    """A float32 recomputation of `eqn`'s left operand for fp8 quantisation, or None."""
-    lhs = eqn.invars[0]
-    chain = None if isinstance(lhs, Literal) else pointwise_chain(lhs, producers)
-    return None if chain is None else reevaluate_f32(chain, lhs, lambda v: env[v][0])
 
 
 def _size(x: Any) -> int:
