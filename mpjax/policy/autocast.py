@@ -378,7 +378,9 @@ def autocast(
         `preferred_element_type` and the result converted to the compute dtype.
       fp8: an `Fp8Recipe` (tensorwise or rowwise scaling) to run eligible `dot_general`s
         as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`); the other
-        lower-precision ops keep the compute dtype.
+        lower-precision ops keep the compute dtype. A pointwise chain with a
+        transcendental op (a GELU) that only such a GEMM reads is recomputed in the
+        backward pass instead of keeping its intermediates (`mpjax.fp8.recompute`).
 
     Returns:
       A function with `fun`'s signature.
