@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -81,12 +80,17 @@ def fp8_lower(
 def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
     """{id(fp8 GEMM equation): the pointwise chain only it reads} (see `exclusive_chains`).
 
-    Empty without an fp8 recipe, or when the op lists keep `dot_general` out of the
-    lower-precision ops.
+    Only GEMMs that `fp8_lower` takes: lower-precision ops under the op lists, eligible
+    under the recipe. Empty without an fp8 recipe.
     """
-    if ctx.fp8 is None or ctx.lists.category("dot_general", {}) != "lower":
+    if ctx.fp8 is None:
         return {}
-    return exclusive_chains(jaxpr, functools.partial(fp8_candidate, ctx.fp8))
+
+    def candidate(eqn):
+        lower = ctx.lists.category(eqn.primitive.name, eqn.params) == "lower"
+        return lower and fp8_candidate(ctx.fp8, eqn)
+
+    return exclusive_chains(jaxpr, candidate)
 
 
 class _Chain(NamedTuple):
