@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from mpjax.fp8.conv import conv_gemm_site, fp8_conv_1x1
 from mpjax.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
+from mpjax.fp8.recompute import (
+    chain_roots,
+    exclusive_chains,
+    pointwise_chain,
+    recomputed,
+    reevaluate_f32,
+)
 
-__all__ = ["check_autocast_recipe", "fp8_lower"]
+__all__ = [
+    "check_autocast_recipe",
+    "evaluate_chain",
+    "fp8_candidate",
+    "fp8_chains",
+    "fp8_lower",
+    "requantised_lhs",
+]
 
 
 def check_autocast_recipe(recipe: Any) -> Fp8Recipe | None:
@@ -28,11 +44,27 @@ def check_autocast_recipe(recipe: Any) -> Fp8Recipe | None:
     return recipe
 
 
-def fp8_lower(recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list) -> list | None:
+def fp8_candidate(recipe: Fp8Recipe, eqn) -> bool:
+    """Whether `fp8_lower` takes a `dot_general` equation (judged from its traced shapes)."""
+    if eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
+        return False
+    avals = [v.aval for v in eqn.invars]
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in avals):
+        return False
+    name = str(eqn.source_info.name_stack)
+    site = Fp8Site(name, avals[0].shape, avals[1].shape, eqn.params["dimension_numbers"])
+    return fp8_eligible(recipe, site)
+
+
+def fp8_lower(
+    recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list, lhs_quant: Callable | None = None
+) -> list | None:
     """The fp8 GEMM for a `dot_general` or 1x1 convolution, or None (compute dtype).
 
     `vals` are the operands in the dtypes they arrived in (float32 masters are quantised
-    directly, without a compute-dtype copy); the output is in `compute`.
+    directly, without a compute-dtype copy); the output is in `compute`. `lhs_quant()`, if
+    given, returns a float32 recomputation of the left operand to quantise (or None; see
+    `mpjax.fp8.recompute`).
     """
     if eqn.primitive.name not in ("dot_general", "conv_general_dilated") or len(vals) != 2:
         return None
@@ -47,4 +79,57 @@ def fp8_lower(recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list) -> list | N
     site = Fp8Site(str(eqn.source_info.name_stack), np.shape(vals[0]), np.shape(vals[1]), dims)
     if not fp8_eligible(recipe, site):
         return None
-    return [fp8_dot_general(vals[0], vals[1], dims, recipe, compute)]
+    quant = None if lhs_quant is None else lhs_quant()
+    return [fp8_dot_general(vals[0], vals[1], dims, recipe, compute, lhs_quant=quant)]
+
+
+def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
+    """{id(fp8 GEMM equation): the pointwise chain only it reads} (see `exclusive_chains`).
+
+    Only GEMMs that `fp8_lower` takes: lower-precision ops under the op lists, eligible
+    under the recipe. Empty without an fp8 recipe.
+    """
+    if ctx.fp8 is None:
+        return {}
+
+    def candidate(eqn):
+        lower = ctx.lists.category(eqn.primitive.name, eqn.params) == "lower"
+        return lower and fp8_candidate(ctx.fp8, eqn)
+
+    return exclusive_chains(jaxpr, candidate)
+
+
+class _Chain(NamedTuple):
+    """A pointwise chain as a sub-jaxpr (the fields autocast's evaluator reads)."""
+
+    constvars: tuple
+    invars: tuple
+    eqns: tuple
+    outvars: tuple
+
+
+def evaluate_chain(evaluate: Callable, ctx: Any, chain: list, out: Any, env: dict) -> None:
+    """Evaluates `chain`, producing an fp8 GEMM's input `out`, into autocast's `env`.
+
+    `evaluate(ctx, jaxpr, consts, args, origins)` is autocast's evaluator; the chain runs
+    under its rules as usual, with a VJP that recomputes it (`recomputed`).
+    """
+    roots = chain_roots(chain)
+    sub = _Chain((), tuple(roots), tuple(chain), (out,))
+    origins = [env[r][1] for r in roots]
+    found = []
+
+    def primal(*vals):
+        outs, out_origins = evaluate(ctx, sub, (), vals, origins)
+        found.append(out_origins[0])
+        return outs[0]
+
+    value = recomputed(primal)(*[env[r][0] for r in roots])
+    env[out] = (value, found[-1])
+
+
+def requantised_lhs(eqn: Any, producers: dict, env: dict) -> Any:
+    """A float32 recomputation of `eqn`'s left operand to quantise (or None)."""
+    lhs = eqn.invars[0]
+    chain = None if isinstance(lhs, Literal) else pointwise_chain(lhs, producers)
+    return None if chain is None else reevaluate_f32(chain, lhs, lambda v: env[v][0])

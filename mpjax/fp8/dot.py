@@ -49,11 +49,15 @@ def fp8_eligible(recipe: Fp8Recipe, site: Fp8Site) -> bool:
     return not recipe.excludes(site)
 
 
-def _quantize(x, contract, dtype, recipe: Fp8Recipe):
-    """Quantises `x` for a GEMM contracting `contract`: returns (q, float32 scale)."""
+def _quantize(x, contract, dtype, recipe: Fp8Recipe, source=None):
+    """Quantises `x` for a GEMM contracting `contract`: returns (q, float32 scale).
+
+    `source` (default `x`) is what is quantised with the scale of `x`'s amax: a float32
+    recomputation of `x` (see `mpjax.fp8.recompute`).
+    """
     axis = tuple(contract) if recipe.scaling == "rowwise" else None
     scale = compute_scale(amax(x, axis), dtype, recipe.margin, recipe.power_of_two)
-    return quantize(x, scale, dtype), scale
+    return quantize(x if source is None else source, scale, dtype), scale
 
 
 def _to_out(scale, ndim, contract, batch, positions, out_shape):
@@ -112,7 +116,9 @@ def _grad_rhs_layout(dims, x_ndim, y_ndim):
     return gdims, out_axes
 
 
-def fp8_dot_general(lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtype: Any):
+def fp8_dot_general(
+    lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtype: Any, lhs_quant=None
+):
     """`lax.dot_general(lhs, rhs)` with fp8 GEMMs forward and backward (current scaling).
 
     The forward GEMM takes both operands in `recipe.forward_dtype`; the input-gradient and
@@ -129,6 +135,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtyp
       dimension_numbers: `dot_general` dimension numbers.
       recipe: an `Fp8Recipe` with `"tensorwise"` or `"rowwise"` scaling.
       compute_dtype: the output dtype of every GEMM.
+      lhs_quant: optionally, `lhs` recomputed (in float32) for the forward quantisation;
+        the scale still comes from `lhs`'s amax and no gradient flows into it.
 
     Returns:
       The product in `compute_dtype`.
@@ -150,8 +158,8 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtyp
     fwd_t, bwd_t = recipe.forward_dtype, recipe.backward_dtype
     tensorwise = recipe.scaling == "tensorwise"
 
-    def forward(a, b):
-        qa, sa = _quantize(a, lc, fwd_t, recipe)
+    def forward(a, b, a_quant):
+        qa, sa = _quantize(a, lc, fwd_t, recipe, a_quant)
         qb, sb = _quantize(b, rc, fwd_t, recipe)
         out = _scaled_gemm(qa, sa, qb, sb, dims, compute)
         saved = (qa, sa, qb, sb) if tensorwise else (a, b)
@@ -183,10 +191,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtyp
                 qg, sg = _quantize(g, gdims[0][1], bwd_t, recipe)
             db = _scaled_gemm(qa, sa, qg, sg, gdims, compute)
         db = jnp.transpose(db, perm)
-        return da.astype(a_dtype), db.astype(b_dtype)
+        return da.astype(a_dtype), db.astype(b_dtype), None
 
     a_shape, b_shape = np.shape(lhs), np.shape(rhs)
     qa_dtype, qb_dtype = lhs.dtype, rhs.dtype
-    op = jax.custom_vjp(lambda a, b: forward(a, b)[0])
+    op = jax.custom_vjp(lambda a, b, a_quant: forward(a, b, a_quant)[0])
     op.defvjp(forward, backward)
-    return op(lhs, rhs)
+    return op(lhs, rhs, None if lhs_quant is None else lax.stop_gradient(lhs_quant))

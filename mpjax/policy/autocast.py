@@ -38,7 +38,13 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
-from mpjax.fp8.autocast_hook import check_autocast_recipe, fp8_lower
+from mpjax.fp8.autocast_hook import (
+    check_autocast_recipe,
+    evaluate_chain,
+    fp8_chains,
+    fp8_lower,
+    requantised_lhs,
+)
 from mpjax.fp8.recipe import Fp8Recipe
 from mpjax.policy.autocast_rules import (
     ARG,
@@ -107,6 +113,11 @@ def _eval_jaxpr(
     env: dict[Any, tuple[Any, int]] = {}
     casts: dict[tuple[Any, np.dtype], Any] = {}  # a variable is cast to a dtype once
     constant = set(jaxpr.constvars)  # variables computed from constants alone
+    # fp8: the equation producing each variable (an fp8 GEMM input's pointwise chain), and
+    # the chains only an fp8 GEMM reads, evaluated at that GEMM (see mpjax/fp8/recompute).
+    producers = {} if ctx.fp8 is None else {v: e for e in jaxpr.eqns for v in e.outvars}
+    chains = fp8_chains(ctx, jaxpr)
+    deferred = {id(e) for chain in chains.values() for e in chain}
 
     def read(atom):
         if isinstance(atom, Literal):
@@ -122,6 +133,10 @@ def _eval_jaxpr(
     for var, val, origin in zip(jaxpr.invars, args, origins, strict=True):
         write(var, val, origin)
     for eqn in jaxpr.eqns:
+        if id(eqn) in deferred:
+            continue
+        if id(eqn) in chains:
+            evaluate_chain(_eval_jaxpr, ctx, chains[id(eqn)], eqn.invars[0], env)
         vals, flags = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
 
         def cast_in(i, dtype, eqn=eqn, vals=vals, flags=flags):
@@ -145,7 +160,12 @@ def _eval_jaxpr(
             if rule is not None:
                 outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
             else:
-                outs, out_origins = _first_order(ctx, eqn, list(vals), list(flags), cast_in)
+                requant = (
+                    functools.partial(requantised_lhs, eqn, producers, env) if producers else None
+                )
+                outs, out_origins = _first_order(
+                    ctx, eqn, list(vals), list(flags), cast_in, requant
+                )
         for var, val, origin in zip(eqn.outvars, outs, out_origins, strict=True):
             write(var, val, origin)
         if all(isinstance(a, Literal) or a in constant for a in eqn.invars):
@@ -158,10 +178,13 @@ def _size(x: Any) -> int:
     return math.prod(np.shape(x))
 
 
-def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[list, list]:
+def _first_order(
+    ctx: _Ctx, eqn, vals: list, origins: list, cast_in, requant=None
+) -> tuple[list, list]:
     """Binds a first-order primitive with operands cast by its category.
 
-    `cast_in(i, dtype)` returns operand `i` cast to `dtype` (cached per variable).
+    `cast_in(i, dtype)` returns operand `i` cast to `dtype` (cached per variable);
+    `requant()` the float32 recomputation of an fp8 GEMM's left operand (or None).
     """
     prim, params = eqn.primitive, eqn.params
     name = prim.name
@@ -171,7 +194,7 @@ def _first_order(ctx: _Ctx, eqn, vals: list, origins: list, cast_in) -> tuple[li
     category = ctx.lists.category(name, params) if floats else None
 
     if category == "lower":
-        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals)
+        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
@@ -357,7 +380,9 @@ def autocast(
         as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`), and 1x1
         convolutions too with `convs="1x1"`; the other lower-precision ops (other
         convolutions included, see `Fp8Recipe.convs`) keep the compute dtype.
-        `mpjax.fp8.fp8_ops` lists which ops run in fp8.
+        `mpjax.fp8.fp8_ops` lists which ops run in fp8. A pointwise chain with a
+        transcendental op (a GELU) that only such a GEMM reads is recomputed in the
+        backward pass instead of keeping its intermediates (`mpjax.fp8.recompute`).
 
     Returns:
       A function with `fun`'s signature.
