@@ -16,8 +16,8 @@ Loss scaling: the loss-scaled optimizer step <= 1.15x the bare optax step's byte
 <= 130 kernels (120 leaves); the full fp16 train step (the cost model's models and
 kernel_count's MLP) <= 1.05x the same step without scaling.
 
-Checks failing on today's code are marked `xfail(strict=True)` with the branch fixing them:
-when a fix lands the check passes, strict xfail turns that into a failure, and the mark goes.
+Checks failing on today's code are marked `xfail(strict=True)` with the reason: when a fix
+lands the check passes, strict xfail turns that into a failure, and the mark goes.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ ENV_PYTHON = "MPJAX_GPU_AOT_PYTHON"
 TEMP_MARGIN, ROOFLINE_MARGIN, FP16_ROOFLINE_MARGIN, CONVERT_MARGIN = 1.02, 1.01, 1.02, 1.05
 OPT_BYTES_MARGIN, OPT_MAX_KERNELS, FP16_STEP_BYTES_MARGIN = 1.15, 130, 1.05
 
-POLICY_FIX = "issue 14: fixed by gpu-policy"
-SCALING_FIX = "issue 14: fixed by gpu-scaling"
 KNOWN_FAILING = {
-    ("lm", "fp16-scaled", "temp"): POLICY_FIX + " and gpu-scaling",
+    # Quick size only (14 MiB of temp): the fp16 LM without loss scaling is already 1.054x
+    # the bf16 anchor's temp there, with loss scaling 1.072x; at full size 1.001x
+    # (benchmarks/RESULTS.md), within the margin.
+    ("lm", "fp16-scaled", "temp"): "quick-size fp16 LM temp buffers; 1.001x at full size",
 }
 MPJAX_PATHS = {
     "resnet": (
