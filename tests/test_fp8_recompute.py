@@ -244,3 +244,44 @@ def test_recomputed_chain_gives_the_gradient_of_the_kept_one(monkeypatch):
     for a, b in zip(recomputed_grads, kept_grads, strict=True):
         assert a.shape == b.shape and np.all(np.isfinite(np.asarray(a)))
         assert rel_err(a, b) < TOL_E5M2, rel_err(a, b)
+
+
+def test_a_chain_intermediate_read_by_the_gemm_is_not_deferred():
+    # The GEMM reads the chain's output (h) and one of its intermediates (t): only the output
+    # is re-evaluated at the GEMM, so the chain must stay where it is (it raised KeyError).
+    rng = np.random.default_rng(7)
+    x, w = jnp.asarray(wide(rng, (32, 64))), jnp.asarray(wide(rng, (64, 128), 1.0))
+
+    def f(x, w):
+        a = x @ w
+        t = jnp.tanh(a)
+        h = a * t
+        return jnp.sum(jax.lax.dot_general(h, t, (((1,), (1,)), ((), ()))) ** 2)
+
+    jaxpr = jax.make_jaxpr(f)(x, w).jaxpr
+    assert exclusive_chains(jaxpr, lambda eqn: True) == {}
+    got = mpjax.autocast(f, POLICY, fp8=Fp8Recipe())(x, w)
+    ref = f(np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert abs(float(got) - float(ref)) / abs(float(ref)) < 4 * TOL_E4M3
+
+
+def test_float16_compute_does_not_overflow_the_unscaled_product():
+    # fp8 products reach 448 * 448 * K before the rescale: beyond float16's 65504.
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(wide(rng, (64, 256), 1.0))
+    w1, w2 = (jnp.asarray(wide(rng, s, 1.0) / 64) for s in ((256, 256), (256, 128)))
+
+    def f(x, w1, w2):
+        return jnp.sum(jnp.tanh((x @ w1) @ w2) ** 2)
+
+    policy = "params=float32,compute=float16,output=float32"
+    value, grads = jax.value_and_grad(
+        mpjax.autocast(f, policy, fp8=Fp8Recipe()), argnums=(1, 2)
+    )(x, w1, w2)
+    ref_value, ref_grads = jax.value_and_grad(f, argnums=(1, 2))(
+        *(np.asarray(a, np.float64) for a in (x, w1, w2))
+    )
+    assert np.isfinite(float(value))
+    assert abs(float(value) - float(ref_value)) / abs(float(ref_value)) < TOL_E4M3
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, r) < 3 * TOL_E5M2

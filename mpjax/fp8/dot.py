@@ -74,7 +74,10 @@ def _to_out(scale, ndim, contract, batch, positions, out_shape):
 def _scaled_gemm(qa, sa, qb, sb, dims, out_dtype):
     """`dot_general(qa, qb) / (sa * sb)` with fp8 operands, returned in `out_dtype`."""
     (lc, rc), (lb, rb) = dims
-    out = lax.dot_general(qa, qb, dims, preferred_element_type=out_dtype)
+    # The unscaled product reaches 448 * 448 * K: float16 would overflow before the rescale
+    # (bf16 has float32's range), so a float16 result accumulates in float32.
+    wide = jnp.float32 if np.dtype(out_dtype) == np.float16 else out_dtype
+    out = lax.dot_general(qa, qb, dims, preferred_element_type=wide)
     nb, nl = len(lb), len(_free(qa.ndim, lc, lb))
     nr = out.ndim - nb - nl
     inv_a = _to_out(1 / sa, qa.ndim, lc, lb, [*range(nb), *range(nb, nb + nl)], out.shape)

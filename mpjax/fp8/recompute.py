@@ -226,15 +226,30 @@ def exclusive_chains(jaxpr, candidate: Callable) -> dict:
         chain = pointwise_chain(eqn.invars[0], producers)
         if chain is None or any(id(e) in taken for e in chain) or not candidate(eqn):
             continue
-        members = {id(e) for e in chain} | {id(eqn)}
-        if all(
-            v not in outs and all(id(u) in members for u in users.get(v, ()))
-            for e in chain
-            for v in e.outvars
-        ):
+        if _only_the_gemm_reads(chain, eqn, users, outs):
             taken.update(id(e) for e in chain)
             chains[id(eqn)] = chain
     return chains
+
+
+def _only_the_gemm_reads(chain: list, eqn, users: dict, outs: set) -> bool:
+    """Whether nothing outside `chain` reads its values, except `eqn` reading its output.
+
+    `eqn` (the GEMM) may read the chain's output as its left operand only: not an
+    intermediate, and not as its right operand too (only the output is re-evaluated).
+    """
+    members = {id(e) for e in chain}
+    head = eqn.invars[0]
+    if eqn.invars[1] is head:
+        return False
+    for e in chain:
+        for v in e.outvars:
+            if v in outs or v is eqn.invars[1]:
+                return False
+            for u in users.get(v, ()):
+                if id(u) not in members and not (u is eqn and v is head):
+                    return False
+    return True
 
 
 def _tied(v, g):
