@@ -275,9 +275,9 @@ def test_float16_compute_does_not_overflow_the_unscaled_product():
         return jnp.sum(jnp.tanh((x @ w1) @ w2) ** 2)
 
     policy = "params=float32,compute=float16,output=float32"
-    value, grads = jax.value_and_grad(
-        mpjax.autocast(f, policy, fp8=Fp8Recipe()), argnums=(1, 2)
-    )(x, w1, w2)
+    value, grads = jax.value_and_grad(mpjax.autocast(f, policy, fp8=Fp8Recipe()), argnums=(1, 2))(
+        x, w1, w2
+    )
     ref_value, ref_grads = jax.value_and_grad(f, argnums=(1, 2))(
         *(np.asarray(a, np.float64) for a in (x, w1, w2))
     )
