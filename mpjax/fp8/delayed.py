@@ -11,7 +11,6 @@ to `update_fp8_meta`, which rolls the histories and recomputes the scales.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from mpjax.fp8.dot import _grad_lhs_layout, _grad_rhs_layout, _scaled_gemm
-from mpjax.fp8.quant import compute_scale, quantize
+from mpjax.fp8.quant import compute_scale, fp8_max
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = [
@@ -44,10 +43,19 @@ def _amax(x):
     return jnp.max(jnp.abs(x)).astype(_F32)
 
 
-def _poisoned(scale, *amaxes):
-    """`scale`, or NaN when any amax is not finite (the operand held an inf or NaN)."""
-    finite = functools.reduce(jnp.logical_and, [jnp.isfinite(a) for a in amaxes])
-    return jnp.where(finite, scale, jnp.float32(jnp.nan))
+def _quantize_keep_inf(x, scale, dtype):
+    """`quantize` (saturating), but an inf becomes NaN instead of +-fp8_max.
+
+    A stored scale saturates large finite values on purpose; an inf saturated the same
+    way would leave the GEMM output finite and hide an overflow from loss scaling. Fused
+    into the quantising pass (elementwise), it costs no extra pass.
+    """
+    y = x.astype(_F32)
+    top = np.float32(fp8_max(dtype))
+    # `y - y` is 0, or NaN for an inf (and a NaN): added after the clip, it keeps the
+    # saturation of finite values and turns an inf into NaN, in plain arithmetic that XLA
+    # fuses into the GEMM's operand pass (a select there made the step slower).
+    return (jnp.clip(y * scale, -top, top) + (y - y)).astype(dtype)
 
 
 def init_fp8_meta(recipe: Fp8Recipe) -> dict:
@@ -92,28 +100,24 @@ def delayed_fp8_dot_general(
         return amaxes if axis_name is None else lax.pmax(amaxes, axis_name)
 
     def forward(a, b, s):
-        qa, qb = quantize(a, s[0], fwd_t), quantize(b, s[1], fwd_t)
+        qa, qb = _quantize_keep_inf(a, s[0], fwd_t), _quantize_keep_inf(b, s[1], fwd_t)
+        out = _scaled_gemm(qa, s[0], qb, s[1], dims, compute)
         seen = (_amax(a), _amax(b))
-        # The stored scale saturates an inf to +-fp8_max: a non-finite operand makes the
-        # output NaN instead (through the scalar rescale, free), so loss scaling sees it.
-        out = _scaled_gemm(qa, _poisoned(s[0], *seen), qb, s[1], dims, compute)
         hi = a if recipe.high_precision_grad_weight else None
         return out, (qa, qb, s, seen, hi)
 
     def backward(saved, g):
         qa, qb, s, (amax_a, amax_b), hi = saved
-        qg = quantize(g, s[2], bwd_t)
-        amax_g = _amax(g)
-        s_g = _poisoned(s[2], amax_g)  # a non-finite gradient stays non-finite
+        qg = _quantize_keep_inf(g, s[2], bwd_t)
         gdims, perm = _grad_lhs_layout(dims, a_ndim, b_ndim)
-        da = jnp.transpose(_scaled_gemm(qg, s_g, qb, s[1], gdims, compute), perm)
+        da = jnp.transpose(_scaled_gemm(qg, s[2], qb, s[1], gdims, compute), perm)
         gdims, perm = _grad_rhs_layout(dims, a_ndim, b_ndim)
         if hi is not None:
             db = lax.dot_general(hi.astype(compute), g.astype(compute), gdims)
         else:
-            db = _scaled_gemm(qa, s[0], qg, s_g, gdims, compute)
+            db = _scaled_gemm(qa, s[0], qg, s[2], gdims, compute)
         db = jnp.transpose(db, perm)
-        seen = reduce(jnp.stack([amax_a, amax_b, amax_g]))
+        seen = reduce(jnp.stack([amax_a, amax_b, _amax(g)]))
         return da.astype(a_dtype), db.astype(b_dtype), seen
 
     op = jax.custom_vjp(lambda a, b, s: forward(a, b, s)[0])
