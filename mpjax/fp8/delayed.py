@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from mpjax.fp8.dot import _grad_lhs_layout, _grad_rhs_layout, _scaled_gemm
-from mpjax.fp8.quant import compute_scale, fp8_max
+from mpjax.fp8.quant import compute_scale, fp8_max, quantize
 from mpjax.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = [
@@ -46,9 +46,10 @@ def _amax(x):
 def _quantize_keep_inf(x, scale, dtype):
     """`quantize` (saturating), but an inf becomes NaN instead of +-fp8_max.
 
-    A stored scale saturates large finite values on purpose; an inf saturated the same
-    way would leave the GEMM output finite and hide an overflow from loss scaling. Fused
-    into the quantising pass (elementwise), it costs no extra pass.
+    For the output gradient: a stored scale saturates large finite values on purpose; an
+    inf gradient saturated the same way would leave the weight gradients finite and hide
+    an overflow from loss scaling. Forward operands saturate as specified (doing this
+    there too cost 1.9 ms of the wide LM's 69 ms step on the H100 cost model).
     """
     y = x.astype(_F32)
     top = np.float32(fp8_max(dtype))
@@ -100,7 +101,7 @@ def delayed_fp8_dot_general(
         return amaxes if axis_name is None else lax.pmax(amaxes, axis_name)
 
     def forward(a, b, s):
-        qa, qb = _quantize_keep_inf(a, s[0], fwd_t), _quantize_keep_inf(b, s[1], fwd_t)
+        qa, qb = quantize(a, s[0], fwd_t), quantize(b, s[1], fwd_t)
         out = _scaled_gemm(qa, s[0], qb, s[1], dims, compute)
         seen = (_amax(a), _amax(b))
         hi = a if recipe.high_precision_grad_weight else None
