@@ -26,6 +26,7 @@ dtype they are given in, so gradients reach float32 parameters in float32).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -46,18 +47,29 @@ from mpjax.fp8.autocast_hook import (
     requantised_lhs,
 )
 from mpjax.fp8.recipe import Fp8Recipe
+from mpjax.policy.autocast_regions import (
+    REGION_SCOPE,
+    in_nested_region,
+    is_library_convert,
+    is_nested,
+    narrows,
+    tracing,
+)
 from mpjax.policy.autocast_rules import (
     ARG,
     FLEX,
+    FULL,
     HIGHER_ORDER_RULES,
     LOW,
     NARROW,
+    PEAK,
     STRONG,
     cast,
     dtype_of,
     is_float,
     widest,
 )
+from mpjax.policy.autocast_sharded import SHARDED_RULES
 from mpjax.policy.op_lists import OpLists
 from mpjax.policy.policy import Policy, _as_float_dtype, get_policy
 
@@ -84,6 +96,12 @@ _IMPLICIT_ACCUMULATION = np.dtype(np.float32)
 _NARROW_CHAIN = frozenset(
     {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "integer_pow"}
 )
+
+# Powers of one value (x ** n, jnp.reciprocal, jnp.square, x * x): see `_first_order`.
+_POWERS = frozenset({"integer_pow", "square", "mul"})
+
+# Reductions whose result is a maximum or minimum (see `PEAK`).
+_PEAKS = frozenset({"reduce_max", "reduce_min"})
 
 # First-order primitives bound with the operand dtypes they were traced with.
 _OPAQUE = frozenset(
@@ -156,8 +174,12 @@ def _eval_jaxpr(
             source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager,
         ):
-            rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
-            if rule is not None:
+            rule = HIGHER_ORDER_RULES.get(eqn.primitive.name) or SHARDED_RULES.get(
+                eqn.primitive.name
+            )
+            if in_nested_region(eqn):
+                outs, out_origins = _as_traced(eqn, cast_in)
+            elif rule is not None:
                 outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
             else:
                 requant = (
@@ -178,6 +200,25 @@ def _size(x: Any) -> int:
     return math.prod(np.shape(x))
 
 
+def _wide(dtype: Any) -> bool:
+    """Whether `dtype` is a floating dtype wider than float32 (float64: never autocast)."""
+    return is_float(dtype) and widest([dtype, _FULL]) != _FULL
+
+
+def _as_traced(eqn, cast_in) -> tuple[list, list]:
+    """Binds `eqn` with its operands cast to the dtypes it was traced with.
+
+    Any primitive, higher-order or call-like ones included (`get_bind_params` turns their
+    jaxpr parameters into the functions `bind` expects), so it cannot fail on a primitive
+    autocast does not know; its sub-jaxprs keep their traced dtypes.
+    """
+    prim = eqn.primitive
+    vals = [cast_in(i, var.aval.dtype) for i, var in enumerate(eqn.invars)]
+    out = prim.bind(*vals, **prim.get_bind_params(eqn.params))
+    outs = list(out) if prim.multiple_results else [out]
+    return outs, [STRONG] * len(outs)
+
+
 def _first_order(
     ctx: _Ctx, eqn, vals: list, origins: list, cast_in, requant=None
 ) -> tuple[list, list]:
@@ -192,6 +233,15 @@ def _first_order(
     strong = [i for i in floats if origins[i] != FLEX]
     out_origin = FLEX if vals and all(o == FLEX for o in origins) else STRONG
     category = ctx.lists.category(name, params) if floats else None
+    if name == "mul" and floats and eqn.invars[0] is eqn.invars[1]:
+        category = "fp32"  # x * x of one value: a square (torch's pow)
+    if name in _OPAQUE or any(True for _ in jaxprs_in_params(params)):
+        return _as_traced(eqn, cast_in)
+    if any(_wide(dtype_of(vals[i])) for i in floats) and not prim.multiple_results:
+        # float64 is left alone, as torch.autocast does (only float32 is autocast).
+        target = widest([dtype_of(vals[i]) for i in floats])
+        vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
+        return [prim.bind(*vals, **params)], [out_origin]
 
     if category == "lower":
         fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
@@ -202,18 +252,27 @@ def _first_order(
         return outs, [LOW] * len(outs)
     if category == "fp32":
         dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
+        narrow = _narrow_power(ctx, name, vals, origins, strong)
         target = widest([_FULL, *dtypes])
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
-    elif name in _OPAQUE or any(True for _ in jaxprs_in_params(params)):
-        vals = [cast_in(i, var.aval.dtype) for i, var in enumerate(eqn.invars)]
-        out_origin = STRONG
+        if out_origin != FLEX:
+            out_origin = NARROW if narrow else PEAK if name in _PEAKS else FULL
     elif name == "gather" and origins[0] == ARG and 0 in floats:
         # Rows of a floating argument (an embedding table) are gathered in the compute
         # dtype, as Flax's `Embed(dtype=...)` does: the activations start narrow, and the
         # gradient scatter runs in the compute dtype.
         vals = [cast_in(0, ctx.compute), *vals[1:]]
     elif name == "convert_element_type":
-        pass  # an explicit cast: of the value it is given, at full precision
+        # jnp's convert-back of a float32-list result (jnp.sum, softmax of a float16
+        # argument) is dropped: the result stays float32, as torch's float32 ops return.
+        # A cast the user writes is kept, of the value it is given, at full precision.
+        if (
+            origins[0] in (FULL, PEAK)
+            and is_float(params["new_dtype"])
+            and narrows(dtype_of(vals[0]), np.dtype(params["new_dtype"]))
+            and is_library_convert(eqn)
+        ):
+            return [vals[0]], [origins[0]]
     elif not prim.multiple_results and strong:
         if _is_epilogue(ctx, name, vals, origins, strong):
             target = ctx.compute
@@ -224,12 +283,32 @@ def _first_order(
             target = widest(
                 [ctx.compute if origins[i] == NARROW else dtype_of(vals[i]) for i in strong]
             )
+            full = [origins[i] for i in strong if origins[i] in (FULL, PEAK)]
+            if full and widest([target, ctx.compute]) != ctx.compute:
+                # Computed from a float32-list result at float32: float32 too.
+                peak = len(full) == len(strong) and all(o == PEAK for o in full)
+                out_origin = PEAK if peak else FULL
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
     # Multiple-result primitives (optimization_barrier, sort, collectives over tuples, ...)
     # take independent operands: they pass through in the dtypes they arrive in.
     out = prim.bind(*vals, **params)
     outs = list(out) if prim.multiple_results else [out]
     return outs, [out_origin] * len(outs)
+
+
+def _narrow_power(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
+    """Whether this float32 op is a power of a compute-dtype value (its result is NARROW).
+
+    `x ** n`, `jnp.reciprocal`, `jnp.square` and `x * x` run in float32 (torch's `pow`,
+    `reciprocal`); of a compute-dtype (or NARROW) value the result counts as the compute
+    dtype: reductions read it at float32 (RMSNorm, sum of squares, MSE do not overflow
+    float16) and it is rounded once where it meets another compute-dtype value (gelu's
+    `x ** 3` stays in the compute dtype, as torch's fused gelu does).
+    """
+    if name not in _POWERS or not ctx.lists.epilogue or not strong:
+        return False
+    i = strong[0]
+    return origins[i] == NARROW or dtype_of(vals[i]) == ctx.compute
 
 
 def _is_epilogue(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
@@ -273,6 +352,8 @@ def _continues_narrow(ctx: _Ctx, name: str, vals: list, origins: list, strong: l
     (m,) = main
     if origins[m] != NARROW and dtype_of(vals[m]) != ctx.compute:
         return False
+    if any(origins[i] == PEAK for i in strong):
+        return False  # `x - max(x)`: the shift of a (log-)softmax, a float32 op
     others = [dtype_of(vals[i]) for i in strong if i != m]
     return origins[m] == NARROW or any(widest([d, ctx.compute]) != ctx.compute for d in others)
 
@@ -439,9 +520,15 @@ def autocast(
             return out_leaves
 
         dyn_vals = [leaves[i] for i in dynamic]
-        closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
-        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
-        outs = [cast(o, pol.output_dtype) for o in outs]
+        nested = is_nested()
+        with tracing():
+            closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
+        # Inside another autocast's trace, this region's equations are marked so that the
+        # outer rewrite keeps their dtypes (the innermost region's policy wins).
+        region = jax.named_scope(REGION_SCOPE) if nested else contextlib.nullcontext()
+        with region:
+            outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
+            outs = [o if _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs]
         return jax.tree.unflatten(out_tree[0], outs)
 
     wrapped.policy = pol

@@ -20,9 +20,11 @@ from jax import lax
 __all__ = [
     "ARG",
     "FLEX",
+    "FULL",
     "HIGHER_ORDER_RULES",
     "LOW",
     "NARROW",
+    "PEAK",
     "STRONG",
     "cast",
     "dtype_of",
@@ -30,8 +32,10 @@ __all__ = [
     "widest",
 ]
 
-# Origins of a value in the interpreter (see `autocast._eval_jaxpr`).
-STRONG, FLEX, LOW, NARROW, ARG = 0, 1, 2, 3, 4
+# Origins of a value in the interpreter (see `autocast._eval_jaxpr`). FULL: the result of a
+# float32-list op (or computed from one at float32 or wider); PEAK: a FULL value computed
+# from maxima/minima alone (the shift of a softmax, which starts no normalisation).
+STRONG, FLEX, LOW, NARROW, ARG, FULL, PEAK = 0, 1, 2, 3, 4, 5, 6
 
 
 def dtype_of(x: Any) -> Any:

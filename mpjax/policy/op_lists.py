@@ -40,6 +40,8 @@ DEFAULT_FP32: frozenset[str] = frozenset(
     {
         # exponentials, logarithms, powers
         "exp", "exp2", "log", "log1p", "expm1", "pow", "square", "rsqrt", "logistic",
+        # x ** n, jnp.reciprocal, jnp.square of a weak exponent (torch: pow, reciprocal)
+        "integer_pow",
         # trigonometric / hyperbolic ops with large relative error near their poles
         "tan", "acos", "asin", "acosh", "asinh", "atanh", "cosh", "sinh", "atan2",
         # special functions
