@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["REGION_SCOPE", "in_nested_region", "is_library_convert", "narrows", "tracing"]
@@ -56,7 +57,7 @@ def in_nested_region(eqn) -> bool:
 
 def narrows(src: np.dtype, dst: np.dtype) -> bool:
     """Whether casting floating `src` to floating `dst` loses range or precision."""
-    return np.finfo(dst).bits < np.finfo(src).bits
+    return jnp.finfo(dst).bits < jnp.finfo(src).bits
 
 
 def is_library_convert(eqn) -> bool:
