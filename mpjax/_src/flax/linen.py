@@ -36,6 +36,7 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.module import TestScope
 from mpjax._src.core.policy import cast_floating
 from mpjax._src.flax.defaults import DEFAULTS, Defaults
+from mpjax._src.flax.float32_only import naming_float32_only_ops
 from mpjax._src.flax.fp8_linen import DelayedFp8, delayed_fp8_override
 from mpjax._src.flax.rules import Resolved, Rules, field_overrides, parse_rules, resolve
 
@@ -249,7 +250,11 @@ class _Interceptor:
         fp8_name = f"{type(self.root).__name__}/{'/'.join(self.rel_path(module))}"
         self.stack.append(module)
         try:
-            with overrides, delayed_fp8_override(module, fp8_name, fp8):
+            with (
+                overrides,
+                delayed_fp8_override(module, fp8_name, fp8),
+                naming_float32_only_ops(module, fp8_name, res.policy.compute_dtype),
+            ):
                 out = next_fun(*args, **kwargs)
         finally:
             self.stack.pop()

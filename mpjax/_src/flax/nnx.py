@@ -40,6 +40,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from mpjax._src.core.policy import Policy, is_floating_array
 from mpjax._src.flax.defaults import DEFAULTS, Defaults
+from mpjax._src.flax.float32_only import naming_float32_only_ops
 from mpjax._src.flax.fp8_linen import DelayedFp8
 from mpjax._src.flax.fp8_nnx import nnx_delayed_override, plan_nnx_fp8, set_nnx_fp8
 from mpjax._src.flax.rules import field_overrides, parse_rules, resolve
@@ -172,8 +173,8 @@ def _owner(path: tuple, module_paths: set) -> tuple | None:
     return None
 
 
-def _params_by_owner(root: nnx.Module):
-    """Yields `(param, owner_module)` for every `nnx.Param` under `root`, each once."""
+def _params_by_owner(root: nnx.Module, kind: type = nnx.Param):
+    """Yields `(variable, owner_module)` for every `kind` variable under `root`, each once."""
     nodes = list(nnx.iter_graph(root))
     modules = {
         path: node
@@ -182,7 +183,7 @@ def _params_by_owner(root: nnx.Module):
     }
     module_paths = set(modules)
     for path, node in nodes:
-        if isinstance(node, nnx.Param):
+        if isinstance(node, kind):
             owner = _owner(path, module_paths)
             if owner is not None:
                 yield node, modules[owner]
@@ -208,17 +209,10 @@ def _policy_method(self, fn, args, kwargs):
     stack = _CALL_STACK.get()
     if info is None or (stack and stack[-1] is self):
         return fn(self, *args, **kwargs)
-    restore = []
+    restore, caches = [], []
     if not stack:
-        for param, owner in _params_by_owner(self):
-            owner_info = _policy_of(owner)
-            if owner_info is None:
-                continue
-            raw = param.get_raw_value()
-            cast = _cast(raw, owner_info.policy.compute_dtype)
-            if cast is not raw:
-                restore.append((param, raw))
-                _swap_raw(param, cast)
+        restore = _compute_views(self, nnx.Param)
+        caches = _compute_views(self, nnx.Cache)
     overrides = field_overrides(
         self,
         info.policy.compute_dtype,
@@ -229,14 +223,43 @@ def _policy_method(self, fn, args, kwargs):
     fp8 = nnx_delayed_override(self) if fn.__name__ == "__call__" else contextlib.nullcontext()
     token = _CALL_STACK.set(stack + (self,))
     try:
-        with overrides, fp8:
+        where = type(self).__name__
+        with overrides, fp8, naming_float32_only_ops(self, where, info.policy.compute_dtype):
             args, kwargs = _cast((args, kwargs), info.policy.compute_dtype)
             out = fn(self, *args, **kwargs)
     finally:
         _CALL_STACK.reset(token)
-        for param, raw in reversed(restore):
+        for param, raw, _ in reversed(restore):
             _swap_raw(param, raw)
+        for cache, raw, view in reversed(caches):
+            _store_cache(cache, raw, view)
     return _cast(out, info.policy.output_dtype)
+
+
+def _compute_views(root: nnx.Module, kind: type) -> list:
+    """Gives each floating `kind` variable under `root` a compute-dtype view for a call.
+
+    Returns `(variable, raw, view)` for each variable changed, to restore after the call:
+    parameters run in their module's compute dtype, and so does a decoding cache made
+    by Flax's `init_cache` (float32 by default), so the keys written into it match.
+    """
+    views = []
+    for var, owner in _params_by_owner(root, kind):
+        owner_info = _policy_of(owner)
+        if owner_info is None:
+            continue
+        raw = var.get_raw_value()
+        view = _cast(raw, owner_info.policy.compute_dtype)
+        if view is not raw:
+            views.append((var, raw, view))
+            _swap_raw(var, view)
+    return views
+
+
+def _store_cache(cache: nnx.Variable, raw: Any, view: Any) -> None:
+    """Keeps a cache in the dtype it was made in: the call's new value, cast back."""
+    current = cache.get_raw_value()
+    _swap_raw(cache, raw if current is view else _cast(current, raw.dtype))
 
 
 def _wrap(fn):
