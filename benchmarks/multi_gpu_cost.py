@@ -82,6 +82,7 @@ VARIANTS = {
     "fp16-scaled": LM_VARIANTS["fp16-scaled"],
     "fp16-scaled-pallas": _scaled(lambda c: mpjax.apply_policy(_lm(c), FP16), impl="pallas"),
     "fp8-delayed": FP8_VARIANTS["fp8-delayed"],
+    "fp8-tensorwise": FP8_VARIANTS["fp8-tensorwise"],
 }
 
 
