@@ -149,3 +149,34 @@ def test_loss_scaled_optimizer_step_kernels(opt_step):
     assert bare["kernels"] >= 120  # at least one kernel per leaf: the count is real
     for d in scaled:
         assert d["kernels"] <= OPT_MAX_KERNELS, f"{d['params']}: {d['kernels']} kernels"
+
+
+MULTI_GPU_BYTES_MARGIN = 1.01
+SHARD_SIZED_OPS = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@pytest.fixture(scope="module")
+def multi_gpu(tmp_path_factory):
+    data = _run_json(
+        "benchmarks/multi_gpu_cost.py",
+        "--quick",
+        "--topologies",
+        "1x1x8",
+        "--variants",
+        "bf16,fp16-scaled,fp16-scaled-pallas",
+        tmp=tmp_path_factory.mktemp("m"),
+    )
+    return {r["variant"]: r for r in data["details"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["fp16-scaled", "fp16-scaled-pallas"])
+def test_loss_scaled_fsdp_moves_no_more_than_hand_written(multi_gpu, variant):
+    """FSDP on 8 H100s: loss scaling adds no gradient- or shard-sized collective."""
+    anchor, r = multi_gpu["bf16"], multi_gpu[variant]
+    assert r["collective_bytes"] <= MULTI_GPU_BYTES_MARGIN * anchor["collective_bytes"]
+    for key, v in r["by_op_dtype"].items():
+        if key.split()[0] in SHARD_SIZED_OPS:
+            # Same count as the anchor's ops of that kind (float16 where the anchor has bf16).
+            twin = anchor["by_op_dtype"].get(key.replace("f16", "bf16"), {"count": 0})
+            assert v["count"] <= twin["count"], (key, v, twin)

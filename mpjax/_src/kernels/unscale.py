@@ -9,6 +9,10 @@ update, where XLA fuses it. `unscale_and_check` also writes the unscaled float32
 copied into a flat buffer: each leaf is passed as its own operand (a free reshape to 1-D). The
 per-block flags are reduced outside the kernel, so no flag is shared between grid steps (that
 would race on the GPU). The XLA references live here, beside the kernels.
+
+Under any sharding the kernels and the grouped XLA check run on each device's shards
+(`mpjax._src.kernels.sharded.per_shard`): the only collective they add is a scalar all-reduce
+of the flag, and the result is the unsharded one bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from mpjax._src.kernels.common import (
 )
 from mpjax._src.kernels.dispatch import dispatch
 from mpjax._src.kernels.grouped_check import grouped_all_finite
+from mpjax._src.kernels.sharded import per_shard
 
 __all__ = [
     "BLOCK",
@@ -171,7 +176,8 @@ def _xla_unscale_leaves(grads: list, scale: jax.Array) -> tuple[list, jax.Array]
 
 
 def _xla_check_leaves(grads: list, scale: jax.Array) -> jax.Array:
-    return grouped_all_finite(grads, scale)
+    # The grouped reduction reshapes and groups leaves: run it on each device's shards.
+    return per_shard(lambda xs, s: ([], grouped_all_finite(xs, s)), grads, scale, write=False)[1]
 
 
 def _all_finite(leaves: list) -> jax.Array:
@@ -181,11 +187,17 @@ def _all_finite(leaves: list) -> jax.Array:
 
 
 def _unscale_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> tuple[list, jax.Array]:
-    return _run(grads, scale, interpret=interpret, write=True)
+    def kernel(xs, s):
+        return _run(xs, s, interpret=interpret, write=True)
+
+    return per_shard(kernel, grads, scale, write=True)
 
 
 def _check_pallas(grads: list, scale: jax.Array, *, interpret: bool) -> jax.Array:
-    return _run(grads, scale, interpret=interpret, write=False)[1]
+    def kernel(xs, s):
+        return [], _run(xs, s, interpret=interpret, write=False)[1]
+
+    return per_shard(kernel, grads, scale, write=False)[1]
 
 
 def _run(grads: list, scale: jax.Array, *, interpret: bool, write: bool) -> tuple[list, jax.Array]:

@@ -1,0 +1,225 @@
+"""Multi-GPU cost model: the GPT-2-small train step under FSDP on 8 deviceless H100s, collectives.
+
+Each variant's train step is compiled (no GPU needed; the `gpu-aot` environment, see
+`benchmarks/gpu_cost_model.py`) for 8 H100s of `h100_topology("1x1x8")` (one host) or
+`"2x1x4"` (two hosts of four) with a `Mesh` of one `fsdp` axis over all 8: every state leaf
+(params, optimizer state, master weights, fp8 meta) split along its largest dimension divisible
+by 8 (replicated if none is), the batch split on the same axis, the state donated and kept in
+its shardings. The optimized per-device HLO is read by `mpjax/_src/analysis/collectives.py`:
+collectives by op and dtype with bytes, and a ring estimate of the communication time
+(all-gather / reduce-scatter send (n-1)/n of the buffer per device, all-reduce 2(n-1)/n) at
+NVLink's 450 GB/s and at the inter-host bandwidth (`--inter-host-gbps`, default 50); plus XLA's
+per-device temp and argument memory and the state bytes per parameter. Ratios are against the
+hand-written Flax bf16 + optax.adamw anchor of the same run.
+
+    JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import mpjax  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
+from benchmarks.fp8_cost import FP8_VARIANTS  # noqa: E402
+from benchmarks.gpu_cost_model import delegate_to_gpu_aot, plugin_available  # noqa: E402
+from benchmarks.train_models import LM_SIZES, VOCAB  # noqa: E402
+from benchmarks.train_variants import (  # noqa: E402
+    FP16,
+    LM_VARIANTS,
+    ONE_STRING,
+    _lm,
+    _lm_with,
+)
+from mpjax._src.analysis.collectives import collectives, comm_seconds, summary  # noqa: E402
+from mpjax._src.analysis.target import h100_topology  # noqa: E402
+
+REQUIRES_GPU = False
+TITLE = "Multi-GPU cost model: GPT-2 FSDP train step on 8 deviceless H100s, vs hand-written bf16"
+AXIS = "fsdp"
+NVLINK_BYTES_PER_S = 450e9
+ANCHOR = "bf16"
+MIB = 2**20
+COLUMNS = [
+    "topology",
+    "variant",
+    "collectives",
+    "collective MiB",
+    "vs anchor",
+    "comm ms NVLink",
+    "comm ms inter-host",
+    "temp MiB/dev",
+    "args MiB/dev",
+    "state B/param",
+    "by op and dtype (count, MiB)",
+]
+
+
+def _adamw():
+    return optax.adamw(3e-4, b2=0.95, weight_decay=0.1)
+
+
+def _scaled(module_fn, loss_scale=None, **kw):
+    return _lm_with(module_fn, tx=mpjax.loss_scaled(_adamw(), loss_scale, **kw), scaled=True)
+
+
+VARIANTS = {
+    "bf16": LM_VARIANTS["bf16"],
+    "policy-noop-scaled": _scaled(
+        lambda c: mpjax.apply_policy(_lm(c), ONE_STRING), mpjax.NoOpLossScale()
+    ),
+    "fp16-scaled": LM_VARIANTS["fp16-scaled"],
+    "fp16-scaled-pallas": _scaled(lambda c: mpjax.apply_policy(_lm(c), FP16), impl="pallas"),
+    "fp8-delayed": FP8_VARIANTS["fp8-delayed"],
+    "fp8-tensorwise": FP8_VARIANTS["fp8-tensorwise"],
+}
+
+
+def config(quick: bool) -> dict:
+    """GPT-2 small at global batch 64 (8 per device), or the quick LM at batch 8."""
+    cfg = dict(LM_SIZES["quick" if quick else "gpt2"])
+    cfg["vocab"] = VOCAB["quick" if quick else "full"]
+    cfg["batch"] = 8 if quick else 64
+    return cfg
+
+
+def fsdp_spec(shape: tuple, n: int) -> P:
+    """Split along the largest dimension divisible by `n` (the first of equals); else none."""
+    dims = [i for i, d in enumerate(shape) if d % n == 0 and d >= n]
+    if not dims:
+        return P()
+    best = max(dims, key=lambda i: (shape[i], -i))
+    return P(*(AXIS if i == best else None for i in range(len(shape))))
+
+
+def _placed(tree, mesh: Mesh, spec_fn):
+    def one(x):
+        sharding = NamedSharding(mesh, spec_fn(x))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def compile_fsdp(program, mesh: Mesh):
+    """The train step compiled with FSDP shardings of its state and batch."""
+    n = mesh.devices.size
+    key = jax.random.key(0)
+    state = _placed(jax.eval_shape(program.init, key), mesh, lambda x: fsdp_spec(x.shape, n))
+    batch = _placed(jax.eval_shape(program.batch, key), mesh, lambda x: P(AXIS) if x.ndim else P())
+    out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
+    step = jax.jit(program.step, out_shardings=out, donate_argnums=0)
+    return step.trace(state, batch).lower().compile(), state
+
+
+def _param_count(state) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
+
+
+def measure(topology: str, variant: str, cfg: dict, inter_host_bytes_per_s: float) -> dict:
+    """One variant on one topology: collectives, comm time, memory, state bytes per param."""
+    devices = h100_topology(topology).devices
+    mesh = Mesh(np.array(devices).reshape(len(devices)), (AXIS,))
+    compiled, state = compile_fsdp(VARIANTS[variant](cfg), mesh)
+    records = collectives(compiled.as_text())
+    memory = compiled.memory_analysis()
+    n = len(devices)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    return {
+        "topology": topology,
+        "variant": variant,
+        "collectives": len(records),
+        "collective_bytes": sum(r.bytes for r in records),
+        "comm_s_nvlink": comm_seconds(records, n, NVLINK_BYTES_PER_S),
+        "comm_s_inter_host": comm_seconds(records, n, inter_host_bytes_per_s),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "state_bytes_per_param": state_bytes / _param_count(state),
+        "by_op_dtype": summary(records),
+        "records": [r._asdict() for r in records],
+    }
+
+
+def _row(r: dict, anchor: dict) -> list:
+    ratio = r["collective_bytes"] / anchor["collective_bytes"] if anchor["collective_bytes"] else 0
+    ops = "; ".join(
+        f"{k} {v['count']}x {v['bytes'] / MIB:.2f}" for k, v in r["by_op_dtype"].items()
+    )
+    return [
+        r["topology"],
+        r["variant"],
+        r["collectives"],
+        round(r["collective_bytes"] / MIB, 2),
+        round(ratio, 4),
+        round(r["comm_s_nvlink"] * 1e3, 3),
+        round(r["comm_s_inter_host"] * 1e3, 3),
+        round(r["temp_bytes"] / MIB, 1),
+        round(r["argument_bytes"] / MIB, 1),
+        round(r["state_bytes_per_param"], 3),
+        ops,
+    ]
+
+
+def run(
+    quick: bool = False, topologies=("1x1x8", "2x1x4"), variants=None, inter_host_gbps=50.0
+) -> dict:
+    """Every variant on every topology (the `benchmarks/run.py` entry)."""
+    if not plugin_available():
+        return delegate_to_gpu_aot(Path(__file__), quick)
+    cfg = config(quick)
+    wanted = list(variants or VARIANTS)
+    if ANCHOR not in wanted:
+        wanted.insert(0, ANCHOR)
+    results = [measure(t, v, cfg, inter_host_gbps * 1e9) for t in topologies for v in wanted]
+    anchors = {r["topology"]: r for r in results if r["variant"] == ANCHOR}
+    return {
+        "title": TITLE + (" (quick sizes)" if quick else ""),
+        "columns": COLUMNS,
+        "rows": [_row(r, anchors[r["topology"]]) for r in results],
+        "notes": (
+            f"jax {jax.__version__}; LM {cfg}; mesh ('{AXIS}',) over the 8 devices of each "
+            "topology (2x1x4: every collective crosses hosts); state leaves split along their "
+            "largest dimension divisible by 8, batch split on the same axis, state donated. "
+            "Collectives: one per array moved (a combined all-reduce of k arrays counts k); "
+            "bytes: gathered result of an all-gather, operand of a reduce-scatter, array of an "
+            "all-reduce. Comm: ring estimate, sum over collectives, no overlap, at 450 GB/s "
+            f"(NVLink) and {inter_host_gbps} GB/s (inter-host). Memory: XLA's per-device "
+            "buffer assignment. State bytes/param: all state leaves (params, optimizer "
+            "state, master weights, scale, fp8 meta) over the parameter count."
+        ),
+        "details": [{k: v for k, v in r.items() if k != "records"} for r in results],
+    }
+
+
+def main(argv=None) -> dict:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--topologies", default="1x1x8,2x1x4")
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {list(VARIANTS)}")
+    parser.add_argument("--inter-host-gbps", type=float, default=50.0)
+    parser.add_argument("--json", default=None, help="write the full figures to this file")
+    args = parser.parse_args(argv)
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(wanted) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known {list(VARIANTS)}")
+    if not plugin_available():
+        raise SystemExit("multi_gpu_cost: deviceless CUDA compile unavailable (no plugin)")
+    topologies = tuple(t.strip() for t in args.topologies.split(",") if t.strip())
+    result = run(args.quick, topologies, wanted or None, args.inter_host_gbps)
+    return emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

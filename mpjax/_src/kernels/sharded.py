@@ -1,0 +1,103 @@
+"""Runs a per-leaf kernel on the shards of its operands: XLA cannot partition a Pallas call.
+
+A Pallas kernel is a custom call: given sharded operands, XLA's SPMD partitioner would gather
+every operand onto every device and run the whole kernel there. `per_shard` wraps an
+elementwise-and-flag kernel in `custom_partitioning`: the partitioner hands each device its
+shards (in the shardings the operands already have), the kernel runs on them, and the one
+cross-device value is the finiteness flag, combined with a scalar `pmin` over the mesh axes
+the operands are split on. On one device the kernel runs as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    SdyShardingRule,
+    custom_partitioning,
+)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["per_shard"]
+
+
+def _axes(shardings) -> tuple:
+    """The mesh axis names any of `shardings` splits a dimension over, in mesh order."""
+    used = set()
+    for s in shardings:
+        for entry in getattr(s, "spec", ()):
+            if entry is None:
+                continue
+            used.update(entry if isinstance(entry, tuple) else (entry,))
+    mesh = shardings[0].mesh if shardings else None
+    return tuple(a for a in mesh.axis_names if a in used) if mesh is not None else ()
+
+
+def _rule(shapes: list, write: bool) -> SdyShardingRule:
+    """Every leaf dimension its own factor; outputs like inputs; the scale and flag scalars."""
+    leaves = [ArrayMapping(*(f"l{i}d{d}" for d in range(len(s)))) for i, s in enumerate(shapes)]
+    results = (*(leaves if write else []), ArrayMapping())
+    return SdyShardingRule((ArrayMapping(), *leaves), tuple(results))
+
+
+def per_shard(
+    kernel: Callable[[list, jax.Array], tuple[list, jax.Array]],
+    leaves: list,
+    scale: jax.Array,
+    *,
+    write: bool,
+) -> tuple[list, jax.Array]:
+    """`kernel(leaves, scale)` run on each device's shards of `leaves`, its flag combined.
+
+    Args:
+      kernel: `(leaves, scale) -> (outputs, flag)`: elementwise outputs (one per leaf, same
+        shape, if `write`; else an empty list) and a scalar bool flag that is the AND of a
+        flag per element.
+      leaves: the arrays, in any shardings.
+      scale: a scalar (replicated).
+      write: whether `kernel` returns one output per leaf.
+
+    Returns:
+      `(outputs, flag)`: the outputs sharded as `leaves`, the flag AND-ed over all shards.
+    """
+    if not leaves:
+        return kernel(leaves, scale)
+
+    def body(scale, *xs):
+        outs, flag = kernel(list(xs), scale)
+        return (*outs, flag)
+
+    wrapped = custom_partitioning(body)
+
+    def shardings(mesh, arg_shapes):
+        leaf_shardings = tuple(a.sharding for a in arg_shapes[1:])
+        replicated = NamedSharding(mesh, P())
+        results = (*(leaf_shardings if write else ()), replicated)
+        return (replicated, *leaf_shardings), results
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes)[1]
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, results = shardings(mesh, arg_shapes)
+        axes = _axes(args[1:])
+
+        def lower(scale, *xs):
+            outs, flag = kernel(list(xs), scale)
+            if axes:
+                flag = jax.lax.pmin(flag.astype(jnp.int32), axes) > 0
+            return (*outs, flag)
+
+        return mesh, lower, results, args
+
+    wrapped.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=_rule([x.shape for x in leaves], write),
+    )
+    *outs, flag = wrapped(scale, *leaves)
+    return list(outs), flag
