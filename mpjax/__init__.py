@@ -7,6 +7,7 @@ The public API is this module and its submodules `mpjax.policy`, `mpjax.scaling`
 
 from mpjax import fp8, inference, nn, pallas, policy, scaling
 from mpjax._src.flax import serialization as _serialization  # noqa: F401 (registers checkpoints)
+from mpjax._src.report.build import report
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
@@ -88,6 +89,7 @@ __all__ = [
     "pallas",
     "policy",
     "raise_if_diverged",
+    "report",
     "restore_if_skipped",
     "scale_loss",
     "scaling",

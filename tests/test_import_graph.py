@@ -25,6 +25,7 @@ LAYERS = {
     "scaling": 3,
     "flax": 4,
     "inference": 5,
+    "report": 6,
 }
 FLAX_LAYERS = {"flax", "inference"}
 
