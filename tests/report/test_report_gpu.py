@@ -54,3 +54,28 @@ def test_h100x8_collectives_match_the_optimized_hlo(h100):
     # bf16 on the GPU (XLA:CPU upcasts): the forward partial sums (32 rows / 2 data shards
     # x 128) and the weight gradient's shard (64 rows / 4 model shards x 128).
     assert s["report"] == [["all-reduce", "bfloat16", 16 * 128 * 2]] * 2
+
+
+@pytest.fixture(scope="module")
+def cost_model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cost")
+    args = ("--quick", "--model", "all", "--variants", "bf16,policy-rules")
+    data = _run_json("benchmarks/gpu_cost_model.py", *args, tmp=tmp)
+    return {(r["model"], r["variant"]): r for r in data["details"]}
+
+
+@pytest.mark.parametrize("model", ["resnet", "lm"])
+@pytest.mark.parametrize("variant", ["bf16", "policy-rules"])
+def test_report_totals_agree_with_the_cost_model(cost_model, model, variant):
+    r = cost_model[(model, variant)]
+    want: dict = {}
+    for flops in (r["gemm_flops"], r["conv_flops"]):
+        for key, n in flops.items():
+            want[dtype_name(key)] = want.get(dtype_name(key), 0) + n
+    report = r["report"]
+    assert report["flops_by_dtype"] == want == {"bfloat16": sum(want.values())}
+    # Every GEMM the program asks for is found in what runs (XLA merges GPT-2's q/k/v).
+    assert report["unmatched_gemms"] == 0
+    assert report["asked_flops_by_dtype"] == want
+    assert report["convert_kernels"] == r["convert_kernels"]
+    assert report["float32_modules"] == []

@@ -83,8 +83,8 @@ def _match(asked: list, optimized: list) -> list:
     Candidates share the module path and pass, and have FLOPs dividing the asked-for ones
     (equal, or a per-device part under SPMD partitioning); the same op_name wins, then equal
     FLOPs (the compiler may rename a dot it rewrites, e.g. folding a transpose); then GEMMs
-    without metadata of the same kind. Optimized GEMMs left over (made by the compiler)
-    follow, paired with themselves.
+    without metadata of the same kind; then GEMMs XLA merged. Optimized GEMMs left over
+    (made by the compiler) follow, paired with themselves.
     """
     pool = defaultdict(list)
     for g in optimized:
@@ -106,8 +106,37 @@ def _match(asked: list, optimized: list) -> list:
             if hit is not None:
                 anonymous.remove(hit)
                 pairs[i] = (g, hit)
+    _merged(pairs, pool)
     leftover = [o for cands in pool.values() for o in cands]
     return pairs + [(o, o) for o in leftover]
+
+
+def _parent(key: tuple) -> tuple:
+    return key[0].rpartition("/")[0], key[1]
+
+
+def _merged(pairs: list, pool: dict) -> None:
+    """Pairs GEMMs XLA merged (q/k/v projections of one input) with the one GEMM running them.
+
+    An unmatched optimized GEMM whose FLOPs are exactly those of consecutive unmatched
+    asked-for GEMMs of the same kind, pass and parent module runs all of them.
+    """
+    for key, cands in pool.items():
+        for o in list(cands):
+            group, total = [], 0
+            for i, (g, hit) in enumerate(pairs):
+                if hit is not None or g.kind != o.kind:
+                    continue
+                if _parent(split_op_name(g.op_name)) != _parent(key):
+                    continue
+                group.append(i)
+                total += g.flops
+                if total >= o.flops:
+                    break
+            if total == o.flops and len(group) > 1:
+                cands.remove(o)
+                for i in group:
+                    pairs[i] = (pairs[i][0], o._replace(flops=pairs[i][0].flops))
 
 
 def _dominant(counter: Counter):
