@@ -8,6 +8,7 @@ The public API is this module and its submodules `mpjax.policy`, `mpjax.scaling`
 from mpjax import fp8, inference, nn, pallas, policy, scaling
 from mpjax._src.flax import serialization as _serialization  # noqa: F401 (registers checkpoints)
 from mpjax._src.report.build import report
+from mpjax._src.report.numerics import numerics
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
@@ -86,6 +87,7 @@ __all__ = [
     "loss_scaled",
     "nn",
     "nonfinite_report",
+    "numerics",
     "pallas",
     "policy",
     "raise_if_diverged",
