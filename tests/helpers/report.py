@@ -74,3 +74,20 @@ def sharded_step(devices, batch: int = 32, d_in: int = 64, d_out: int = 128):
         return jax.grad(loss)(w)
 
     return step, w, x
+
+
+def fp8_step(exclude: str = "*/head"):
+    """(train step, variables, x) of `RuleNet` under bf16 with delayed fp8 for its Dense
+    layers except `exclude` (the conv stays bf16); the step differentiates the fp8 meta too."""
+    recipe = mpjax.Fp8Recipe(scaling="delayed", exclude=(exclude,))
+    model = mpjax.apply_policy(RuleNet(), "params=float32,compute=bfloat16", fp8=recipe)
+    x = jnp.linspace(-1.0, 1.0, 8 * 16 * D, dtype=jnp.float32).reshape(8, 16, D)
+    variables = model.init(jax.random.key(0), x)
+
+    def step(variables, x):
+        def loss(v):
+            return jnp.mean(jnp.square(model.apply(v, x).astype(jnp.float32)))
+
+        return jax.grad(loss)(variables)
+
+    return step, variables, x

@@ -3,7 +3,8 @@
 Writes JSON to `--json PATH`: for the rule model (`tests/helpers/report.py`) under bf16 and
 fp16 compute on `"h100"`, each GEMM's (path, asked dtype, runs_as, device FLOPs), the report's
 FLOPs by run dtype and `hlo_cost`'s for the same compile; for the sharded step on `"h100x8"`,
-the report's collectives and the test's own reading of the optimized HLO.
+the report's collectives and those of the optimized HLO; for the delayed-fp8 step, each
+GEMM's (path, pass, asks for fp8, runs as fp8).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mpjax._src.analysis import hlo_cost  # noqa: E402
 from mpjax._src.analysis.collectives import collectives  # noqa: E402
 from mpjax._src.report.build import build_report  # noqa: E402
 from mpjax._src.report.targets import place_args, resolve_target  # noqa: E402
-from tests.helpers.report import rule_step, sharded_step  # noqa: E402
+from tests.helpers.report import fp8_step, rule_step, sharded_step  # noqa: E402
 
 
 def _rule(compute: str) -> dict:
@@ -62,11 +63,21 @@ def _sharded() -> dict:
     }
 
 
+def _fp8() -> dict:
+    step, variables, x = fp8_step()
+    r = mpjax.report(step, variables, x, target="h100")
+    return {
+        "gemms": [[g.path, g.direction, g.fp8, g.runs_fp8] for g in r.gemms],
+        "summary": r.summary(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
     args = p.parse_args()
     out = {"bfloat16": _rule("bfloat16"), "float16": _rule("float16"), "sharded": _sharded()}
+    out["fp8"] = _fp8()
     Path(args.json).write_text(json.dumps(out, indent=1))
 
 

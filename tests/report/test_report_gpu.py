@@ -56,6 +56,17 @@ def test_h100x8_collectives_match_the_optimized_hlo(h100):
     assert s["report"] == [["all-reduce", "bfloat16", 16 * 128 * 2]] * 2
 
 
+def test_h100_runs_every_fp8_gemm_in_fp8(h100):
+    gemms = h100["fp8"]["gemms"]
+    fp8 = sorted((path, direction) for path, direction, asked, _ in gemms if asked)
+    assert fp8 == sorted(
+        [("Dense_0", "forward"), ("Dense_0", "backward")]
+        + [("mid", "forward"), ("mid", "backward"), ("mid", "backward")]
+    )
+    assert all(runs == asked for _, _, asked, runs in gemms)  # fp8 exactly where asked
+    assert "5 fp8 GEMMs (Dense_0, mid), 5 run as fp8 on h100" in h100["fp8"]["summary"]
+
+
 @pytest.fixture(scope="module")
 def cost_model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cost")

@@ -40,6 +40,11 @@ def summary(report) -> str:
         parts.append(line)
     else:
         parts.append("no GEMMs")
+    fp8 = [g for g in report.gemms if g.fp8]
+    if fp8:
+        paths = ", ".join(dict.fromkeys(g.path for g in fp8))
+        runs = sum(g.runs_fp8 for g in fp8)
+        parts.append(f"{len(fp8)} fp8 GEMMs ({paths}), {runs} run as fp8 on {report.target}")
     kernels = sum(c.kernels for c in report.converts)
     parts.append(f"{kernels} materialised converts")
     by_op: Counter = Counter()
@@ -61,7 +66,7 @@ def _gemm_rows(report) -> list[list[str]]:
             asks = f"{g.lhs_dtype.name} x {g.rhs_dtype.name} -> {g.out_dtype.name}"
             rows.append(
                 [path, g.kind, g.direction, asks, _short(g.runs_as), human(g.flops, "FLOP")]
-                + ["float32!" if g.flagged else ""]
+                + ["float32!" if g.flagged else ("fp8" if g.runs_fp8 else "")]
             )
     return rows
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax._src.report.formats import FormatRange, format_range
+from mpjax._src.report.fp8_meta import Fp8TensorMeta, fp8_meta_records
 
 __all__ = ["DEFAULT_FORMATS", "LOG2_RANGE", "Numerics", "TensorNumerics", "numerics"]
 
@@ -191,6 +192,7 @@ class Numerics:
 
     records: tuple[TensorNumerics, ...]
     formats: tuple[str, ...]
+    fp8: tuple[Fp8TensorMeta, ...] = ()  # the delayed-fp8 sites' scales, histories, headroom
 
     def __getitem__(self, path: str) -> TensorNumerics:
         for r in self.records:
@@ -206,7 +208,15 @@ class Numerics:
             row["dtype"] = r.dtype.name
             row["histogram"] = list(r.histogram)
             rows.append(row)
-        return {"formats": list(self.formats), "log2_range": list(LOG2_RANGE), "records": rows}
+        fp8 = [{**dataclasses.asdict(m), "dtype": m.dtype.name} for m in self.fp8]
+        for m in fp8:
+            m["amax_history"] = list(m["amax_history"])
+        return {
+            "formats": list(self.formats),
+            "log2_range": list(LOG2_RANGE),
+            "records": rows,
+            "fp8": fp8,
+        }
 
     def plot(self, path: str, ax=None, title: str | None = None):
         """Draws the log2 |x| histogram of one leaf, each format's range shaded (matplotlib).
@@ -229,16 +239,26 @@ class Numerics:
             rows.append(row)
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+        for m in self.fp8:
+            lines.append(
+                f"fp8 {m.path} {m.tensor} ({m.dtype.name}): scale {m.scale:.4g}, amax "
+                f"{m.amax_history[0]:.4g} (history max {max(m.amax_history):.4g}), "
+                f"headroom {m.headroom:.3g}x"
+            )
         return "\n".join(line.rstrip() for line in lines)
 
 
-def numerics(tree: Any, formats: Sequence[str] = DEFAULT_FORMATS) -> Numerics:
+def numerics(
+    tree: Any, formats: Sequence[str] = DEFAULT_FORMATS, *, fp8_recipe: Any = None
+) -> Numerics:
     """How each array of `tree` fits low-precision formats: zeros, under/overflow, histogram.
 
     Args:
       tree: a pytree of concrete arrays (gradients, activations from `capture_intermediates`,
         fp8 inputs); sharded `jax.Array`s are reduced on their devices, never gathered.
       formats: floating-point dtype names to check the values against.
+      fp8_recipe: the `Fp8Recipe` of the delayed-fp8 sites in `tree` (their formats; the
+        default recipe's when None). Each site also gets `Fp8TensorMeta` records in `.fp8`.
 
     Returns:
       A `Numerics`: `result[path].underflow["float16"]`, `print(result)`, `result.plot(path)`.
@@ -258,4 +278,4 @@ def numerics(tree: Any, formats: Sequence[str] = DEFAULT_FORMATS) -> Numerics:
         if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float)):
             continue
         records.append(_record("/".join(_key(k) for k in keys), leaf, ranges))
-    return Numerics(tuple(records), names)
+    return Numerics(tuple(records), names, fp8_meta_records(tree, fp8_recipe, _key))

@@ -43,6 +43,16 @@ class Gemm:
         """The operand dtype the program asks for (the wider operand's)."""
         return wider(self.lhs_dtype, self.rhs_dtype)
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the program asks for an fp8 GEMM (both operands fp8)."""
+        return is_fp8(self.lhs_dtype) and is_fp8(self.rhs_dtype)
+
+    @property
+    def runs_fp8(self) -> bool:
+        """Whether the compiled target runs it as an fp8 GEMM (XLA:CPU never does)."""
+        return self.runs_as is not None and is_fp8(self.runs_as)
+
 
 @dataclasses.dataclass(frozen=True)
 class Converts:
@@ -104,6 +114,11 @@ _HLO = {
 def as_dtype(hlo_dtype: str) -> jnp.dtype:
     """The `jnp.dtype` of an HLO dtype name."""
     return jnp.dtype(_HLO.get(hlo_dtype, hlo_dtype))
+
+
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` is one of the 8-bit floating-point formats."""
+    return jnp.dtype(dtype).name.startswith("float8")
 
 
 def wider(a: jnp.dtype, b: jnp.dtype) -> jnp.dtype:
