@@ -59,3 +59,37 @@ def test_async_pairs_count_once_and_combined_collectives_split_by_dtype():
         ("all-reduce", "f32", 64 * 4, ""),
         ("all-reduce", "bf16", 32 * 2, ""),
     ]
+
+
+SIX = textwrap.dedent(
+    """\
+    HloModule m
+
+    %fused (a: f32[8], b: f32[8], c: f32[8], d: f32[8], e: f32[8], f: f32[1024]) -> f32[8] {
+      %a = f32[8]{0} parameter(0)
+      %b = f32[8]{0} parameter(1)
+      %c = f32[8]{0} parameter(2)
+      %d = f32[8]{0} parameter(3)
+      %e = f32[8]{0} parameter(4)
+      %f = f32[1024]{0} parameter(5)
+      %s = f32[8]{0} slice(%f), slice={[0:8]}
+      ROOT %r = f32[8]{0} add(%a, %s)
+    }
+
+    ENTRY %main (p0: f32[8], p1: f32[8], p2: f32[8], p3: f32[8], p4: f32[8], p5: f32[1024]) -> f32[8] {
+      %p0 = f32[8]{0} parameter(0)
+      %p1 = f32[8]{0} parameter(1)
+      %p2 = f32[8]{0} parameter(2)
+      %p3 = f32[8]{0} parameter(3)
+      %p4 = f32[8]{0} parameter(4)
+      %p5 = f32[1024]{0} parameter(5)
+      ROOT %k = f32[8]{0} fusion(%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5), kind=kLoop, calls=%fused
+    }
+    """
+)
+
+
+def test_operands_after_the_fifth_keep_their_bytes():
+    # XLA prints `/*index=5*/` before the sixth operand; it must still count.
+    (kernel,) = hlo_cost.analyze(SIX).kernels
+    assert kernel.bytes == 5 * 8 * 4 + 1024 * 4 + 8 * 4

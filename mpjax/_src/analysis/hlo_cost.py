@@ -120,6 +120,7 @@ _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 # Optimized HLO prints `%name (params) -> type {`; lowered HLO (`Lowered.as_text("hlo")`) `name {`.
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 
 
@@ -216,6 +217,12 @@ def _shapes(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     )
 
 
+def _operand_name(text: str) -> str:
+    """`%p` / `bf16[8]{0} %p` / `/*index=5*/%p` / `p` (lowered HLO) -> `p`."""
+    text = _COMMENT.sub("", text).strip()
+    return text.rsplit("%", 1)[-1] if "%" in text else (text.split() or [""])[-1]
+
+
 def _parse_instr(line: str) -> Instr | None:
     m = _NAME.match(line)
     if not m:
@@ -230,7 +237,7 @@ def _parse_instr(line: str) -> Instr | None:
     opcode = rest[:paren]
     close = _balanced(rest, paren)
     operands = tuple(
-        o.split()[-1].lstrip("%") for o in _split_top(rest[paren + 1 : close - 1]) if o.strip()
+        _operand_name(o) for o in _split_top(rest[paren + 1 : close - 1]) if _operand_name(o)
     )
     return Instr(m.group(1), _shapes(type_text), opcode, operands, rest[close:])
 
