@@ -6,7 +6,9 @@ compiled deviceless for `mpjax/_src/analysis/h100.txtpb` and its optimized HLO i
 `benchmarks/hlo_cost.py`: temp memory (XLA's buffer assignment, `memory_analysis()`), kernels
 by kind, GEMM and convolution FLOPs by operand dtype, converts, bytes accessed and a crude
 roofline (per kernel max(FLOPs / peak, bytes / HBM bandwidth), summed; H100 SXM peaks in
-`hlo_cost.py`), each against the hand-written Flax bf16 anchor (`bf16`).
+`hlo_cost.py`), each against the hand-written Flax bf16 anchor (`bf16`). Each record also
+carries what `mpjax.report` says of the same compile (`report`: FLOPs by dtype run and asked
+for, float32 modules, its summary line; tests/report/test_report_gpu.py checks they agree).
 
 Needs the `gpu-aot` extra (the `jax-cuda12-plugin` and `jax-cuda12-pjrt` wheels of the pinned
 jaxlib, installed with `--no-deps` in a separate environment) and no GPU:
@@ -37,7 +39,13 @@ from benchmarks.common import Skip, emit  # noqa: E402
 from benchmarks.train_models import LM_SIZES, RESNET_SIZES, VOCAB  # noqa: E402
 from benchmarks.train_variants import VARIANTS  # noqa: E402
 from mpjax._src.analysis import hlo_cost  # noqa: E402
-from mpjax._src.analysis.target import H100_TARGET, compile_step, h100_sharding  # noqa: E402,F401
+from mpjax._src.analysis.target import (  # noqa: E402,F401
+    H100_TARGET,
+    compile_step,
+    h100_sharding,
+    lower_step,
+)
+from mpjax._src.report.build import build_report  # noqa: E402
 
 REQUIRES_GPU = False  # compiles for a GPU; runs without one
 TIMEOUT_SCALE = 4  # 16 compiles of full train steps: ~10 min on 2 cores (benchmarks/run.py)
@@ -104,7 +112,22 @@ def measure_variant(model: str, variant: str, cfg: dict, sharding, variants=None
     key = jax.random.key(0)
     state = jax.eval_shape(program.init, key)
     batch = jax.eval_shape(program.batch, key)
-    return measure(compile_step(program.step, (state, batch), sharding))
+    lowered = lower_step(program.step, (state, batch), sharding)
+    compiled = lowered.compile()
+    report = build_report(lowered, compiled, "h100", True)
+    return {**measure(compiled), "report": report_figures(report)}
+
+
+def report_figures(report) -> dict:
+    """What `mpjax.report` says of a step: FLOPs by dtype run, float32 modules, summary."""
+    return {
+        "flops_by_dtype": report.flops_by_dtype(runs=True),
+        "asked_flops_by_dtype": report.flops_by_dtype(runs=False),
+        "unmatched_gemms": sum(g.runs_as is None for g in report.gemms),
+        "float32_modules": sorted({g.path for g in report.gemms if g.flagged}),
+        "convert_kernels": sum(c.kernels for c in report.converts),
+        "summary": report.summary(),
+    }
 
 
 def _tflop(flops: dict) -> str:
@@ -158,7 +181,7 @@ def measure_all(models, variants, quick: bool, width: str = "gpt2", registry=Non
         for name in names:
             figures = measure_variant(model, name, cfg, sharding, registry)
             results.append({"model": model, "variant": name, "config": cfg, **figures})
-            print(f"[cost model] {model} {name}: {figures['roofline_s'] * 1e3:.2f} ms", flush=True)
+            print(f"[cost model] {model} {name}: {figures['report']['summary']}", flush=True)
     return results
 
 

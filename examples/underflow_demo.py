@@ -11,6 +11,8 @@ float32 afterwards.
 Run from the repository root:
 
     python examples/underflow_demo.py              # table + results/underflow.png
+    python examples/underflow_demo.py --plot docs/_static/gradient_histogram.png
+                                                   # the gradients' log2 histogram only
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ from examples.train_digits import (
     train,
 )
 
-__all__ = ["DEFAULT_MULTIPLIER", "gradient_underflow", "main", "run_experiment"]
+__all__ = [
+    "DEFAULT_MULTIPLIER",
+    "gradient_underflow",
+    "gradients",
+    "main",
+    "plot_gradient_histogram",
+    "run_experiment",
+]
 
 DEFAULT_MULTIPLIER = 2.0**-14
 PRECISIONS = ("fp32", "fp16", "fp16-noscale")
@@ -58,6 +67,33 @@ def _gradients(
 
     grads = jax.jit(jax.grad(loss))(params)
     return [np.asarray(g, np.float64) / loss_scale for g in jax.tree.leaves(grads)]
+
+
+def gradients(
+    precision: str,
+    loss_multiplier: float,
+    data: DigitsData,
+    *,
+    loss_scale: float = 1.0,
+    batch_size: int = 256,
+    seed: int = 0,
+    **config_kwargs,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The float32 gradient and `precision`'s, at the same initial parameters and batch.
+
+    Args: as `gradient_underflow`.
+
+    Returns:
+      `(reference, low)`: the leaves (float64 NumPy, divided by `loss_scale`) of the float32
+      gradient and of the gradient under `precision`.
+    """
+    ref_cfg = DigitsConfig(precision="fp32", loss_multiplier=loss_multiplier, **config_kwargs)
+    cfg = DigitsConfig(precision=precision, loss_multiplier=loss_multiplier, **config_kwargs)
+    x, y = data.x_train[:batch_size], data.y_train[:batch_size]
+    variables = build_model(ref_cfg).init(jax.random.key(seed), x[:1])
+    params, stats = variables["params"], variables["batch_stats"]
+    ref = _gradients(ref_cfg, params, stats, x, y, 1.0)
+    return ref, _gradients(cfg, params, stats, x, y, loss_scale)
 
 
 def gradient_underflow(
@@ -88,13 +124,15 @@ def gradient_underflow(
       `(flushed, rel_error)`: the fraction of the float32 gradient's nonzero entries that
       are exactly zero under `precision`, and the relative L2 error of the whole gradient.
     """
-    ref_cfg = DigitsConfig(precision="fp32", loss_multiplier=loss_multiplier, **config_kwargs)
-    cfg = DigitsConfig(precision=precision, loss_multiplier=loss_multiplier, **config_kwargs)
-    x, y = data.x_train[:batch_size], data.y_train[:batch_size]
-    variables = build_model(ref_cfg).init(jax.random.key(seed), x[:1])
-    params, stats = variables["params"], variables["batch_stats"]
-    ref = _gradients(ref_cfg, params, stats, x, y, 1.0)
-    low = _gradients(cfg, params, stats, x, y, loss_scale)
+    ref, low = gradients(
+        precision,
+        loss_multiplier,
+        data,
+        loss_scale=loss_scale,
+        batch_size=batch_size,
+        seed=seed,
+        **config_kwargs,
+    )
     nonzero = sum(int((r != 0).sum()) for r in ref)
     flushed = sum(int(((r != 0) & (g == 0)).sum()) for r, g in zip(ref, low, strict=True))
     err = np.sqrt(sum(((r - g) ** 2).sum() for r, g in zip(ref, low, strict=True)))
@@ -147,6 +185,55 @@ def run_experiment(
     return results, table
 
 
+def plot_gradient_histogram(
+    png: str | Path,
+    *,
+    loss_multiplier: float = DEFAULT_MULTIPLIER,
+    loss_scale: float = 2.0**15,
+    data: DigitsData | None = None,
+    **config_kwargs,
+):
+    """Writes the log2 histogram of the float32 gradient against fp16's range (`mpjax.numerics`).
+
+    Two panels: the gradient of the multiplied loss, and the same times `loss_scale` (what
+    the float16 backward pass sees under loss scaling).
+
+    Returns:
+      The `mpjax.numerics` result of the two panels (paths "unscaled" and "scaled").
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import mpjax
+
+    ref, _ = gradients("fp32", loss_multiplier, data or load_data(), **config_kwargs)
+    flat = np.concatenate([r.ravel() for r in ref]).astype(np.float32)
+    result = mpjax.numerics(
+        {"unscaled": flat, "scaled": flat * np.float32(loss_scale)}, formats=("float16", "bfloat16")
+    )
+    fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    exponent = np.log2(loss_multiplier)
+    for ax, path, label in zip(
+        axes,
+        ("unscaled", "scaled"),
+        (f"loss x 2^{exponent:g}", f"x loss scale 2^{np.log2(loss_scale):g}"),
+        strict=True,
+    ):
+        r = result[path]
+        title = (
+            f"digits ResNet gradient, {label}: {r.underflow['float16']:.1%} flush to 0, "
+            f"{r.subnormal['float16']:.1%} subnormal in float16"
+        )
+        result.plot(path, ax=ax, title=title)
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return result
+
+
 def _parser() -> argparse.ArgumentParser:
     d = DigitsConfig()
     p = argparse.ArgumentParser(
@@ -163,6 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per run")
     p.add_argument("--png", default="results/underflow.png", help="where to write the plot")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--plot", help="only write the gradients' log2 histogram (mpjax.numerics) here")
     return p
 
 
@@ -174,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     if not args.loss_multiplier > 0:
         raise SystemExit(f"--loss-multiplier must be > 0, got {args.loss_multiplier}")
+    if args.plot:
+        result = plot_gradient_histogram(args.plot, loss_multiplier=args.loss_multiplier)
+        print(result)
+        print(f"\nwrote {args.plot}")
+        return []
     results, table = run_experiment(
         args.seeds,
         loss_multiplier=args.loss_multiplier,

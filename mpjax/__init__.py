@@ -7,6 +7,8 @@ The public API is this module and its submodules `mpjax.policy`, `mpjax.scaling`
 
 from mpjax import fp8, inference, nn, pallas, policy, scaling
 from mpjax._src.flax import serialization as _serialization  # noqa: F401 (registers checkpoints)
+from mpjax._src.report.build import report
+from mpjax._src.report.numerics import numerics
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
@@ -85,9 +87,11 @@ __all__ = [
     "loss_scaled",
     "nn",
     "nonfinite_report",
+    "numerics",
     "pallas",
     "policy",
     "raise_if_diverged",
+    "report",
     "restore_if_skipped",
     "scale_loss",
     "scaling",

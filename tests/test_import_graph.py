@@ -4,7 +4,8 @@ Bottom to top (CONTRIBUTING.md): `core` (the policy value type, dtype helpers; n
 `fp8` (quantisation and the fp8 `dot_general`, pure JAX), `kernels` (Pallas) and `analysis`
 (HLO reading, deviceless targets), side by side and independent; `autocast` (the jaxpr rewrite,
 its op lists and fp8 hook); `scaling` (loss scales, `loss_scaled`); `flax` (the only layer that
-imports Flax: linen/NNX policies, delayed-fp8 modules, model state, `ConvBN`); `inference`.
+imports Flax: linen/NNX policies, delayed-fp8 modules, model state, `ConvBN`); `inference`;
+`report` (`mpjax.report` and `mpjax.numerics`, built on `analysis`; no Flax).
 The public modules (`mpjax`, `mpjax.policy`, ...) sit on top and only re-export; nothing under
 `mpjax._src` imports them.
 """
@@ -25,6 +26,7 @@ LAYERS = {
     "scaling": 3,
     "flax": 4,
     "inference": 5,
+    "report": 6,
 }
 FLAX_LAYERS = {"flax", "inference"}
 

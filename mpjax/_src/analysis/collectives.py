@@ -13,8 +13,8 @@ Example:
   ...   %p = f32[4]{0} parameter(0)
   ...   ROOT %ag = f32[32]{0} all-gather(%p), replica_groups={}, dimensions={0}
   ... }'''
-  >>> collectives(hlo)
-  [Collective(op='all-gather', dtype='f32', shape=(32,), bytes=128)]
+  >>> [(c.op, c.dtype, c.shape, c.bytes) for c in collectives(hlo)]
+  [('all-gather', 'f32', (32,), 128)]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 from collections import defaultdict
 from typing import NamedTuple
 
-from mpjax._src.analysis.hlo_cost import DTYPE_BYTES, parse_module
+from mpjax._src.analysis.hlo_cost import DTYPE_BYTES, op_name, parse_module
 
 __all__ = ["COLLECTIVE_OPS", "RING_FACTORS", "Collective", "collectives", "comm_seconds", "summary"]
 
@@ -66,12 +66,16 @@ class Collective(NamedTuple):
       dtype: the HLO element type, e.g. "bf16".
       shape: the array's dimensions.
       bytes: the buffer size the ring cost is quoted on (see the module docstring).
+      name: the HLO instruction's name.
+      op_name: JAX's name stack from the instruction's metadata ("" if none).
     """
 
     op: str
     dtype: str
     shape: tuple
     bytes: int
+    name: str = ""
+    op_name: str = ""
 
 
 def _op(opcode: str) -> str | None:
@@ -110,7 +114,9 @@ def collectives(hlo_text: str) -> list[Collective]:
                 continue
             for dtype, dims in _arrays(op, instr.opcode, instr, comp):
                 nbytes = int(DTYPE_BYTES[dtype] * math.prod(dims))
-                out.append(Collective(op, dtype, tuple(dims), nbytes))
+                out.append(
+                    Collective(op, dtype, tuple(dims), nbytes, instr.name, op_name(instr.attrs))
+                )
     return out
 
 

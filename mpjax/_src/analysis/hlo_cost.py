@@ -40,9 +40,11 @@ __all__ = [
     "HBM_BYTES_PER_S",
     "PEAK_FLOPS",
     "PEAK_VECTOR",
+    "Gemm",
     "HloReport",
     "Kernel",
     "analyze",
+    "op_name",
     "parse_module",
 ]
 
@@ -115,8 +117,11 @@ _DATA_MOVEMENT = _FREE | {
 }
 
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
+# Optimized HLO prints `%name (params) -> type {`; lowered HLO (`Lowered.as_text("hlo")`) `name {`.
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 
 
 class Instr(NamedTuple):
@@ -141,6 +146,19 @@ class Kernel(NamedTuple):
     other_flops: int
     time_s: float
     only_converts: bool  # moves data and converts dtypes, nothing else
+    op_name: str = ""  # the launching instruction's `metadata={op_name=...}` (JAX's name stack)
+
+
+class Gemm(NamedTuple):
+    """One dot or convolution (a cuBLAS/cuDNN call counts as one) of an HLO module."""
+
+    name: str
+    kind: str  # "dot" | "conv"
+    lhs_dtype: str  # HLO dtype names ("bf16", "f32", ...)
+    rhs_dtype: str
+    out_dtype: str
+    flops: int
+    op_name: str  # JAX's name stack from the metadata, prefixed by its callers' in lowered HLO
 
 
 class HloReport(NamedTuple):
@@ -156,6 +174,8 @@ class HloReport(NamedTuple):
     convert_kernels: int  # kernels that only convert (materialised casts)
     bytes: int
     roofline_s: float
+    gemms: tuple = ()  # every `Gemm`, in program order
+    converts_by_op: dict = {}  # op_name -> convert instructions (fused ones included)
 
 
 def _split_top(text: str) -> list[str]:
@@ -197,6 +217,12 @@ def _shapes(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     )
 
 
+def _operand_name(text: str) -> str:
+    """`%p` / `bf16[8]{0} %p` / `/*index=5*/%p` / `p` (lowered HLO) -> `p`."""
+    text = _COMMENT.sub("", text).strip()
+    return text.rsplit("%", 1)[-1] if "%" in text else (text.split() or [""])[-1]
+
+
 def _parse_instr(line: str) -> Instr | None:
     m = _NAME.match(line)
     if not m:
@@ -211,7 +237,7 @@ def _parse_instr(line: str) -> Instr | None:
     opcode = rest[:paren]
     close = _balanced(rest, paren)
     operands = tuple(
-        o.split("%")[-1].strip() for o in _split_top(rest[paren + 1 : close - 1]) if "%" in o
+        _operand_name(o) for o in _split_top(rest[paren + 1 : close - 1]) if _operand_name(o)
     )
     return Instr(m.group(1), _shapes(type_text), opcode, operands, rest[close:])
 
@@ -239,6 +265,12 @@ def parse_module(text: str) -> tuple[dict, str]:
     if entry is None:
         raise ValueError("parse_module: no ENTRY computation in the HLO text")
     return comps, entry
+
+
+def op_name(attrs: str) -> str:
+    """The `op_name` of an instruction's metadata ("" without one)."""
+    m = _OP_NAME.search(attrs)
+    return m.group(1) if m else ""
 
 
 def _nbytes(shapes) -> int:
@@ -297,19 +329,34 @@ def _shape_of(comp: dict, name: str):
     return instr.shapes[0] if instr and instr.shapes else ("f32", ())
 
 
-def _matmul_flops(comp: dict, instr: Instr, out: dict) -> None:
+def _record(out: dict, instr: Instr, kind: str, ops, flops: int, prefix: str) -> None:
+    key = _dtype_key(ops[0][0], ops[1][0])
+    out[kind][key] += flops
+    out["n" + kind][key] += 1
+    name = _prefixed(prefix, instr.attrs)
+    out["records"].append(
+        Gemm(
+            instr.name,
+            "dot" if kind == "gemm" else "conv",
+            ops[0][0],
+            ops[1][0],
+            instr.shapes[0][0],
+            flops,
+            name,
+        )
+    )
+
+
+def _matmul_flops(comp: dict, instr: Instr, out: dict, prefix: str = "") -> None:
     """Adds the FLOPs of a dot/convolution/cuBLAS/cuDNN instruction to out[kind][dtype]."""
     ops = [_shape_of(comp, o) for o in instr.operands]
     if instr.opcode == "dot":
-        lhs, rhs = ops[0], ops[1]
+        lhs = ops[0]
         flops = _dot_flops(lhs, instr.shapes[0], _dims_attr(instr.attrs, "lhs_contracting_dims"))
-        key = _dtype_key(lhs[0], rhs[0])
-        out["gemm"][key] += flops
-        out["ngemm"][key] += 1
+        _record(out, instr, "gemm", ops, flops, prefix)
     elif instr.opcode == "convolution":
-        key = _dtype_key(ops[0][0], ops[1][0])
-        out["conv"][key] += _conv_flops(ops[0], ops[1], instr.shapes[0], instr.attrs)
-        out["nconv"][key] += 1
+        flops = _conv_flops(ops[0], ops[1], instr.shapes[0], instr.attrs)
+        _record(out, instr, "conv", ops, flops, prefix)
     elif instr.opcode == "custom-call":
         target = _attr(instr.attrs, "custom_call_target") or ""
         target = target.strip('"')
@@ -317,10 +364,8 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict) -> None:
             cfg = _backend_config(instr.attrs).get("gemm_backend_config", {})
             dnums = cfg.get("dot_dimension_numbers", {})
             contracting = [int(d) for d in dnums.get("lhs_contracting_dimensions", [])]
-            lhs, rhs = ops[0], ops[1]
-            key = _dtype_key(lhs[0], rhs[0])
-            out["gemm"][key] += _dot_flops(lhs, instr.shapes[0], contracting)
-            out["ngemm"][key] += 1
+            flops = _dot_flops(ops[0], instr.shapes[0], contracting)
+            _record(out, instr, "gemm", ops, flops, prefix)
         elif target.startswith("__cudnn$conv"):
             result = instr.shapes[0]
             if "BackwardInput" in target:
@@ -329,9 +374,8 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict) -> None:
                 x, w, y = ops[0], result, ops[1]
             else:
                 x, w, y = ops[0], ops[1], result
-            key = _dtype_key(x[0], w[0]) if "BackwardFilter" not in target else y[0]
-            out["conv"][key] += _conv_flops(x, w, y, instr.attrs)
-            out["nconv"][key] += 1
+            dtypes = (x, w) if "BackwardFilter" not in target else (y, y)
+            _record(out, instr, "conv", dtypes, _conv_flops(x, w, y, instr.attrs), prefix)
 
 
 def _kind(instr: Instr) -> str:
@@ -362,15 +406,27 @@ def _kind(instr: Instr) -> str:
     return instr.opcode
 
 
-def _fused_costs(comps: dict, comp_name: str, acc: dict) -> None:
+def _prefixed(prefix: str, attrs: str) -> str:
+    name = op_name(attrs)
+    if prefix and not name.startswith(prefix):
+        return f"{prefix}/{name}" if name else prefix
+    return name
+
+
+def _count_convert(instr: Instr, acc: dict, prefix: str) -> None:
+    if instr.opcode == "convert":
+        acc["converts"] += 1
+        acc["converts_by_op"][_prefixed(prefix, instr.attrs)] += 1
+
+
+def _fused_costs(comps: dict, comp_name: str, acc: dict, prefix: str = "") -> None:
     comp = comps.get(comp_name, {})
     for instr in comp.values():
-        if instr.opcode == "convert":
-            acc["converts"] += 1
+        _count_convert(instr, acc, prefix)
         if instr.opcode in ("dot", "convolution", "custom-call"):
-            _matmul_flops(comp, instr, acc)
+            _matmul_flops(comp, instr, acc, prefix)
         elif instr.opcode == "fusion":
-            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc)
+            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
         elif instr.opcode == "reduce":
             acc["other"] += sum(math.prod(_shape_of(comp, o)[1]) for o in instr.operands[:1])
         elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
@@ -388,6 +444,8 @@ def _new_acc() -> dict:
         "other": 0,
         "converts": 0,
         "compute": 0,
+        "records": [],
+        "converts_by_op": Counter(),
     }
 
 
@@ -400,12 +458,18 @@ def _kernel_time(acc: dict, nbytes: int) -> float:
     return max(compute, nbytes / HBM_BYTES_PER_S)
 
 
-def _walk(comps: dict, comp_name: str, kernels: list, totals: dict) -> None:
+def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str = "") -> None:
+    """Appends a `Kernel` per launch of `comp_name` (and what it calls) to `kernels`.
+
+    `prefix` is the op_name of the `call` that reached this computation: lowered HLO names
+    the instructions of a called computation relative to the call (optimized HLO inlines).
+    """
     comp = comps[comp_name]
     for instr in comp.values():
         if instr.opcode in _FREE:
             continue
         if instr.opcode in _CONTROL:
+            inner = _prefixed(prefix, instr.attrs) if instr.opcode == "call" else prefix
             for key in (
                 "to_apply",
                 "body",
@@ -416,19 +480,18 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict) -> None:
             ):
                 target = _attr(instr.attrs, key)
                 if target and target.lstrip("%") in comps:
-                    _walk(comps, target.lstrip("%"), kernels, totals)
+                    _walk(comps, target.lstrip("%"), kernels, totals, inner)
             branches = re.search(r"branch_computations=\{([^}]*)\}", instr.attrs)
-            for branch in re.findall(r"%([\w.\-]+)", branches.group(1) if branches else ""):
-                _walk(comps, branch, kernels, totals)
+            for branch in re.findall(r"%?([\w.\-]+)", branches.group(1) if branches else ""):
+                _walk(comps, branch, kernels, totals, inner)
             continue
         acc = _new_acc()
         if instr.opcode == "fusion":
-            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc)
+            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
         else:
-            if instr.opcode == "convert":
-                acc["converts"] += 1
+            _count_convert(instr, acc, prefix)
             if instr.opcode in ("dot", "convolution", "custom-call"):
-                _matmul_flops(comp, instr, acc)
+                _matmul_flops(comp, instr, acc, prefix)
             elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
                 acc["other"] += math.prod(instr.shapes[0][1])
             if instr.opcode not in _DATA_MOVEMENT:
@@ -440,6 +503,8 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict) -> None:
         for key in ("gemm", "conv", "ngemm", "nconv"):
             totals[key].update(acc[key])
         totals["converts"] += acc["converts"]
+        totals["records"].extend(acc["records"])
+        totals["converts_by_op"].update(acc["converts_by_op"])
         tensor = Counter(acc["gemm"]) + Counter(acc["conv"])
         kernels.append(
             Kernel(
@@ -452,6 +517,7 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict) -> None:
                 acc["other"],
                 _kernel_time(acc, nbytes),
                 acc["converts"] > 0 and acc["compute"] == 0,
+                _prefixed(prefix, instr.attrs),
             )
         )
 
@@ -460,7 +526,8 @@ def analyze(hlo_text: str) -> HloReport:
     """Kernels, FLOPs by dtype, converts, bytes and roofline time of an optimized HLO module.
 
     Args:
-      hlo_text: `compiled.as_text()` of an XLA:GPU executable.
+      hlo_text: `compiled.as_text()` of an XLA:GPU executable (any HLO text parses:
+        `Lowered.as_text("hlo", debug_info=True)` gives what the program asked for).
 
     Returns:
       An `HloReport`.
@@ -483,4 +550,6 @@ def analyze(hlo_text: str) -> HloReport:
         convert_kernels=sum(k.only_converts for k in kernels),
         bytes=sum(k.bytes for k in kernels),
         roofline_s=sum(k.time_s for k in kernels),
+        gemms=tuple(totals["records"]),
+        converts_by_op=dict(totals["converts_by_op"]),
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["H100_TARGET", "compile_step", "h100_sharding", "h100_topology"]
+__all__ = ["H100_TARGET", "compile_step", "h100_sharding", "h100_topology", "lower_step"]
 
 H100_TARGET = Path(__file__).resolve().parent / "h100.txtpb"
 
@@ -34,7 +34,12 @@ def h100_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(h100_topology().devices[0])
 
 
+def lower_step(step, args, sharding, donate_argnums=(0,)):
+    """`jax.jit(step)` lowered for the deviceless target on abstract `args`."""
+    placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), args)
+    return jax.jit(step, donate_argnums=donate_argnums).trace(*placed).lower()
+
+
 def compile_step(step, args, sharding, donate_argnums=(0,)):
     """`jax.jit(step)` compiled for the deviceless target on abstract `args`."""
-    placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), args)
-    return jax.jit(step, donate_argnums=donate_argnums).trace(*placed).lower().compile()
+    return lower_step(step, args, sharding, donate_argnums).compile()

@@ -1,0 +1,69 @@
+"""Module paths from JAX's name stack (the `op_name` of HLO metadata).
+
+`jit(step)/transpose(jvp(Model.apply))/Model/Model.__call__/blk/Dense_0/dot_general` names a
+dot of the backward pass (`transpose(...)`) in the Flax module `blk/Dense_0` of the root class
+`Model`. The path keeps the module scopes: jit scopes, transform wrappers (`jvp(...)`), method
+scopes (`Model.__call__`), the last part (the primitive), the root class (recognised by a method
+or `.apply` naming it) and the `module` child of mpjax's linen policy wrapper are dropped. A
+name stack with no scope left names the innermost jitted function (`jit(loss)` -> `loss`).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["split_op_name"]
+
+_CALL = re.compile(r"^([\w<>\-]+)\((.*)\)$")
+_WRAPPER = "PolicyModule"  # mpjax's linen policy wrapper; it calls its model `module`
+
+
+def _split(op_name: str) -> list[str]:
+    """`op_name` split at the slashes outside parentheses."""
+    parts, depth, cur = [], 0, []
+    for ch in op_name:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "/" and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p for p in parts if p]
+
+
+def _classes(op_name: str) -> set[str]:
+    """Class names the name stack shows methods of (`Model.apply`, `Model.__call__`)."""
+    return set(re.findall(r"(?:^|[/(])(\w+)\.\w+", op_name))
+
+
+def split_op_name(op_name: str) -> tuple[str, str]:
+    """(module path or function name, "forward" | "backward") of an HLO `op_name`.
+
+    Args:
+      op_name: the `op_name` of an instruction's metadata.
+
+    Returns:
+      The path (`""` when the name stack names nothing) and the pass.
+
+    Example:
+      >>> split_op_name("jit(step)/transpose(jvp(M.apply))/M/blk/Dense_0/dot_general")
+      ('blk/Dense_0', 'backward')
+    """
+    parts = _split(op_name)
+    backward = any(p.startswith("transpose(") for p in parts)
+    function, scopes = "", []
+    for part in parts[:-1]:
+        call = _CALL.match(part)
+        if call and call.group(1) in ("jit", "pjit"):
+            function = call.group(2)
+        elif not call and "." not in part:
+            scopes.append(part)
+    classes = _classes(op_name)
+    if scopes and scopes[0] in classes:
+        root = scopes.pop(0)
+        if root == _WRAPPER and scopes[:1] == ["module"]:
+            scopes.pop(0)
+    path = "/".join(scopes) or function
+    return path, "backward" if backward else "forward"

@@ -1,0 +1,90 @@
+"""Compile targets of `mpjax.report`: the current backend, or deviceless H100s.
+
+`None` compiles for the backend JAX runs on. `"h100"` compiles for one H100 without a GPU;
+`"h100xN"` (N in 2, 4, 8) for N H100s of one host (topology `1x1xN`). Deviceless targets need
+the `gpu-aot` extra and `JAX_PLATFORMS=cpu`. On an `"h100xN"` target every argument leaf whose
+sharding is a `NamedSharding` keeps its `PartitionSpec` on a mesh of the same shape and axis
+names over the N H100s (write the step with a mesh of N CPU devices, as for the GPUs); every
+other leaf is replicated. Shardings named inside `fn` (`with_sharding_constraint` on a CPU
+mesh, `jit(in_shardings=...)`) are not moved: pass them through the arguments instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from mpjax._src.analysis.target import h100_topology
+
+__all__ = ["GPU_AOT_INSTALL", "KNOWN_TARGETS", "Target", "place_args", "resolve_target"]
+
+KNOWN_TARGETS = (None, "h100", "h100x2", "h100x4", "h100x8")
+GPU_AOT_INSTALL = (
+    "pip install --no-deps jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "
+    "(the gpu-aot extra, best in a separate environment) and run with JAX_PLATFORMS=cpu"
+)
+_H100 = re.compile(r"^h100(?:x(\d+))?$")
+
+
+class Target(NamedTuple):
+    """A resolved compile target."""
+
+    name: str  # "cpu", "gpu", ..., "h100", "h100x8"
+    devices: tuple  # the deviceless devices; () for the current backend
+    gpu: bool  # a roofline estimate applies
+
+
+def resolve_target(target: str | None) -> Target:
+    """The `Target` named by `target`; a clear error for unknown names or a missing plugin."""
+    if target is None:
+        backend = jax.default_backend()
+        return Target(backend, (), backend in ("gpu", "cuda", "rocm"))
+    m = _H100.match(target) if isinstance(target, str) else None
+    if m is None or target not in KNOWN_TARGETS:
+        known = ", ".join(repr(t) for t in KNOWN_TARGETS)
+        raise ValueError(f"mpjax.report: unknown target {target!r}; known targets: {known}")
+    n = int(m.group(1) or 1)
+    try:
+        topology = h100_topology(f"1x1x{n}")
+    except Exception as err:  # noqa: BLE001 - no plugin, or JAX cannot describe the target
+        raise RuntimeError(
+            f"mpjax.report: target {target!r} needs the deviceless CUDA compiler, which this "
+            f"environment cannot load ({type(err).__name__}: {str(err).splitlines()[0]}). "
+            f"Install it with: {GPU_AOT_INSTALL}."
+        ) from err
+    return Target(target, tuple(topology.devices), True)
+
+
+def _named(leaf: Any, devices: tuple) -> jax.sharding.Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        if mesh.devices.size != len(devices):
+            raise ValueError(
+                f"mpjax.report: an argument is sharded over a mesh of {mesh.devices.size} "
+                f"devices {dict(mesh.shape)}; the target has {len(devices)}"
+            )
+        grid = np.array(devices, dtype=object).reshape(mesh.devices.shape)
+        return jax.sharding.NamedSharding(jax.sharding.Mesh(grid, mesh.axis_names), sharding.spec)
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("devices",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def place_args(tree: Any, target: Target) -> Any:
+    """`tree`'s array leaves as `ShapeDtypeStruct`s placed on `target`'s devices."""
+    if not target.devices:
+        return tree
+
+    def place(leaf):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            return leaf
+        if len(target.devices) == 1:
+            sharding = jax.sharding.SingleDeviceSharding(target.devices[0])
+        else:
+            sharding = _named(leaf, target.devices)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree.map(place, tree)
