@@ -1,6 +1,7 @@
 """mpjax: mixed-precision training for JAX and Flax."""
 
 from mpjax import fp8, inference, nn, pallas, policy, scaling
+from mpjax import scaling_serialization as _scaling_serialization  # noqa: F401 (registers)
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (

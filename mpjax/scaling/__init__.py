@@ -1,6 +1,7 @@
 """Loss scales and the `loss_scaled` optax wrapper."""
 
 # config-driven precision, dead-run threshold, Flax DynamicScale migration
+from mpjax.nnx_model_state import StateSnapshot, restore_if_skipped, snapshot_state
 from mpjax.scaling.config import default_max_consecutive_skips, loss_scale_for
 from mpjax.scaling.diagnostics import NonfiniteReport, TrainingDivergedError, nonfinite_report
 from mpjax.scaling.loss_scale import (
@@ -14,12 +15,7 @@ from mpjax.scaling.loss_scale import (
 )
 from mpjax.scaling.loss_scaled import LossScaledState, loss_scaled, xla_unscale_and_check
 from mpjax.scaling.migrate import loss_scale_from_flax, with_loss_scale
-from mpjax.scaling.model_state import (
-    StateSnapshot,
-    keep_if_skipped,
-    restore_if_skipped,
-    snapshot_state,
-)
+from mpjax.scaling.model_state import keep_if_skipped
 from mpjax.scaling.state_helpers import (
     find_loss_scaled_state,
     get_loss_scale,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._dataclass import _replace, field, pytree_dataclass
 from mpjax.scaling.leaves import (  # noqa: F401 (_is_floating, _wide_dtype: used by others)
     _check_flag,
     _is_floating,
@@ -143,7 +143,7 @@ def _scalar(value: Any, dtype) -> jax.Array:
     return jnp.asarray(value, dtype)
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@pytree_dataclass
 class NoOpLossScale(LossScale):
     """A loss scale that does not scale: `scale`/`unscale` only widen to float32.
 
@@ -156,16 +156,10 @@ class NoOpLossScale(LossScale):
       dtype('float32')
     """
 
-    def __init__(self):
-        self.loss_scale = jnp.ones((), jnp.float32)
-
-    def tree_flatten_with_keys(self):
-        return (), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux, children
-        return cls()
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The scale, 1.0 as a float32 scalar (not a leaf: the tree has none)."""
+        return jnp.ones((), jnp.float32)
 
     def scale(self, tree: Any) -> Any:
         """Widens the floating leaves of `tree` to (at least) float32; scales by nothing."""
@@ -175,11 +169,8 @@ class NoOpLossScale(LossScale):
         """Widens the floating leaves of `tree` to (at least) float32; divides by nothing."""
         return _widen_tree(tree, "unscale")
 
-    def __repr__(self):
-        return "NoOpLossScale()"
 
-
-@jax.tree_util.register_pytree_with_keys_class
+@pytree_dataclass
 class StaticLossScale(LossScale):
     """A fixed loss scale.
 
@@ -191,25 +182,17 @@ class StaticLossScale(LossScale):
       Array(2., dtype=float32)
     """
 
+    loss_scale: jax.Array
+
     def __init__(self, scale: float = 2.0**15):
         _check_positive_finite("StaticLossScale: scale", scale)
-        self.loss_scale = _scalar(scale, jnp.float32)
-
-    def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("loss_scale"), self.loss_scale),), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        obj = object.__new__(cls)
-        obj.loss_scale = children[0]
-        return obj
+        self._set(loss_scale=_scalar(scale, jnp.float32))
 
     def __repr__(self):
         return f"StaticLossScale({self.loss_scale!r})"
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@pytree_dataclass
 class DynamicLossScale(LossScale):
     """A loss scale that backs off on non-finite gradients and grows after finite runs.
 
@@ -237,6 +220,14 @@ class DynamicLossScale(LossScale):
       >>> float(ls.adjust(jnp.array(True)).loss_scale)
       32.0
     """
+
+    loss_scale: jax.Array
+    counter: jax.Array
+    growth_interval: int = field(static=True)
+    growth_factor: float = field(static=True)
+    backoff_factor: float = field(static=True)
+    min_scale: float = field(static=True)
+    max_scale: float | None = field(static=True)
 
     def __init__(
         self,
@@ -279,13 +270,15 @@ class DynamicLossScale(LossScale):
                 f"DynamicLossScale: initial_scale={initial_scale} is outside "
                 f"[min_scale={min_scale}, max_scale={max_scale}]"
             )
-        self.loss_scale = _scalar(initial_scale, jnp.float32)
-        self.counter = _scalar(0, jnp.int32)
-        self.growth_interval = int(growth_interval)
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.min_scale = min_scale
-        self.max_scale = max_scale
+        self._set(
+            loss_scale=_scalar(initial_scale, jnp.float32),
+            counter=_scalar(0, jnp.int32),
+            growth_interval=int(growth_interval),
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
 
     @property
     def config(self) -> tuple:
@@ -298,36 +291,16 @@ class DynamicLossScale(LossScale):
             self.max_scale,
         )
 
-    def tree_flatten_with_keys(self):
-        children = (
-            (jax.tree_util.GetAttrKey("loss_scale"), self.loss_scale),
-            (jax.tree_util.GetAttrKey("counter"), self.counter),
-        )
-        return children, self.config
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        # Bypasses __init__: configuration was validated at construction, and leaves
-        # may be tracers or placeholders here.
-        obj = object.__new__(cls)
-        obj.loss_scale, obj.counter = children
-        (
-            obj.growth_interval,
-            obj.growth_factor,
-            obj.backoff_factor,
-            obj.min_scale,
-            obj.max_scale,
-        ) = aux
-        return obj
-
     def replace(self, *, loss_scale: Any = None, counter: Any = None) -> DynamicLossScale:
         """Returns a copy with new numeric state and the same configuration."""
-        return self.tree_unflatten(
-            self.config,
-            (
-                self.loss_scale if loss_scale is None else jnp.asarray(loss_scale, jnp.float32),
-                self.counter if counter is None else jnp.asarray(counter, jnp.int32),
-            ),
+        if loss_scale is not None:
+            loss_scale = jnp.asarray(loss_scale, jnp.float32)
+        if counter is not None:
+            counter = jnp.asarray(counter, jnp.int32)
+        return _replace(
+            self,
+            loss_scale=self.loss_scale if loss_scale is None else loss_scale,
+            counter=self.counter if counter is None else counter,
         )
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
@@ -359,37 +332,3 @@ class DynamicLossScale(LossScale):
         new_scale = jnp.where(grads_finite, finite_scale, backed_off)
         new_counter = jnp.where(grads_finite, finite_counter, 0).astype(jnp.int32)
         return self.replace(loss_scale=new_scale, counter=new_counter)
-
-    def __repr__(self):
-        return (
-            f"DynamicLossScale(loss_scale={self.loss_scale!r}, counter={self.counter!r}, "
-            f"growth_interval={self.growth_interval}, growth_factor={self.growth_factor}, "
-            f"backoff_factor={self.backoff_factor}, min_scale={self.min_scale}, "
-            f"max_scale={self.max_scale})"
-        )
-
-
-# Checkpointing: flax.serialization stores the numeric state; the configuration comes
-# from the restore target, so it is never lost (jmp loses its minimum here).
-def _state_dict(ls: LossScale) -> dict:
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(ls)[0]:
-        out[path[0].name] = flax.serialization.to_state_dict(leaf)
-    return out
-
-
-def _restore(target: LossScale, state: dict) -> LossScale:
-    leaves, treedef = jax.tree.flatten(target)
-    names = [p[0].name for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]]
-    missing = [n for n in names if n not in state]
-    if missing:
-        raise ValueError(f"{type(target).__name__}: checkpoint lacks {missing}")
-    new = [
-        jnp.asarray(flax.serialization.from_state_dict(leaf, state[name]), leaf.dtype)
-        for name, leaf in zip(names, leaves, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, new)
-
-
-for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
-    flax.serialization.register_serialization_state(_cls, _state_dict, _restore)

@@ -21,15 +21,22 @@ __all__ = [
 ]
 
 
+def _is_value_box(x: Any) -> bool:
+    """Whether `x` is a `flax.nnx` Variable (nnx.Optimizer keeps opt_state leaves in them).
+
+    Recognised without importing Flax (the scaling layer does not): an instance of a class
+    named `Variable` from a `flax` module, or of a subclass of one.
+    """
+    return any(
+        c.__name__ == "Variable" and c.__module__.split(".")[0] == "flax" for c in type(x).__mro__
+    )
+
+
 def _unwrap(x: Any) -> Any:
-    """Unwraps flax.nnx Variables (nnx.Optimizer stores opt_state leaves in them)."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
+    """Unwraps flax.nnx Variables to the array they hold."""
+    if not _is_value_box(x):
         return x
-    if isinstance(x, nnx.Variable):
-        return x.get_value() if hasattr(x, "get_value") else x.value
-    return x
+    return x.get_value() if hasattr(x, "get_value") else x.value
 
 
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
