@@ -289,6 +289,7 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
             "loss": ce,
             "loss_scale": m["loss_scale"],
             "grads_finite": m["grads_finite"],
+            "skipped": m["skipped"],
             "skipped_steps": m["skipped_steps"],
         }
         return (params, opt_state), metrics

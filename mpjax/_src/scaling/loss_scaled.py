@@ -43,7 +43,9 @@ class LossScaledState(NamedTuple):
         floating param that keeps one, and `optax.MaskedNode()` elsewhere (so a model
         with float32 params pays no extra memory).
       loss_scale: the current `LossScale` (a pytree).
-      grads_finite: scalar bool, whether the last step's gradients were all finite.
+      grads_finite: scalar bool, whether the last step's gradients were all finite. A
+        step with finite gradients can still be skipped (a new float16 value that would
+        overflow, see `check_new_values`): read `skipped` for the step's decision.
       skipped_steps: scalar int32, how many steps were skipped in total.
       consecutive_skips: scalar int32, how many steps in a row were skipped last.
     """
@@ -54,6 +56,16 @@ class LossScaledState(NamedTuple):
     grads_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+
+    @property
+    def skipped(self) -> jax.Array:
+        """Scalar bool: whether the last step was skipped, whatever the reason.
+
+        Non-finite gradients, or finite ones whose new param value would overflow: the
+        params, master and inner state were left bit-identical. `keep_if_skipped`,
+        `restore_if_skipped` and `scaling_metrics` read this flag.
+        """
+        return self.consecutive_skips > 0
 
 
 class _Candidate:
@@ -243,7 +255,20 @@ def _step_or_skip(grads_finite, step_in, take, skip, skip_impl):
     return jax.lax.platform_dependent(step_in, cpu=by_cond, default=by_select)
 
 
-def _next_state(state, new_inner, new_master, grads_finite, ok, limit):
+def _next_loss_scale(loss_scale, grads_finite, ok, values_checked):
+    """The adjusted loss scale; unchanged after a step skipped on a new value's overflow.
+
+    Such a step is not a good step (a dynamic scale does not count it towards growth), and
+    the scale is not to blame (the unscaled update overflowed), so it does not back off.
+    """
+    adjusted = loss_scale.adjust(grads_finite)
+    if not values_checked:
+        return adjusted
+    value_skip = jnp.logical_and(grads_finite, jnp.logical_not(ok))
+    return select_tree(value_skip, loss_scale, adjusted)
+
+
+def _next_state(state, new_inner, new_master, grads_finite, ok, limit, values_checked):
     """Next state: counters, loss scale and the in-step divergence check."""
     finite = jnp.logical_and(grads_finite, ok)
     skipped = jnp.logical_not(finite).astype(jnp.int32)
@@ -253,7 +278,7 @@ def _next_state(state, new_inner, new_master, grads_finite, ok, limit):
     return LossScaledState(
         inner_state=new_inner,
         master=new_master,
-        loss_scale=state.loss_scale.adjust(grads_finite),
+        loss_scale=_next_loss_scale(state.loss_scale, grads_finite, ok, values_checked),
         grads_finite=grads_finite,
         skipped_steps=state.skipped_steps + skipped,
         consecutive_skips=consecutive,
@@ -459,10 +484,11 @@ def loss_scaled(
             extra_args=extra_args,
             config=config,
         )
+        floating = [p for p in jax.tree.leaves(params) if _is_floating(p)]
+        values_checked = any(_checks_new_value(p, check_new_values) for p in floating)
         if not checks:  # nothing to skip on (a float16 overflow check may still skip)
             updates, new_inner, new_master, ok = take(step_in)
-            floating = [p for p in jax.tree.leaves(params) if _is_floating(p)]
-            if not any(_checks_new_value(p, check_new_values) for p in floating):
+            if not values_checked:
                 # Nothing can skip: the counters are forwarded, not recomputed, so the
                 # step is exactly the inner step.
                 return updates, state._replace(inner_state=new_inner, master=new_master)
@@ -471,6 +497,9 @@ def loss_scaled(
             updates, new_inner, new_master, ok = _step_or_skip(
                 grads_finite, step_in, take, skip, skip_impl
             )
-        return updates, _next_state(state, new_inner, new_master, grads_finite, ok, limit)
+        new_state = _next_state(
+            state, new_inner, new_master, grads_finite, ok, limit, values_checked
+        )
+        return updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
