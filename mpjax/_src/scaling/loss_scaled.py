@@ -27,6 +27,14 @@ from mpjax._src.scaling.loss_scale import (
     select_tree,
     unscale_tree,
 )
+from mpjax._src.scaling.master import (
+    MASTER_MODES,
+    _is_masked,
+    init_master,
+    next_master,
+    rounded,
+    view,
+)
 
 __all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
 
@@ -40,8 +48,9 @@ class LossScaledState(NamedTuple):
       inner_state: the inner transformation's state, built on the float32 view of the
         params (master weights where kept, params widened to float32 elsewhere).
       master: a tree shaped like the params holding the float32 master copy of each
-        floating param that keeps one, and `optax.MaskedNode()` elsewhere (so a model
-        with float32 params pays no extra memory).
+        floating param that keeps one (with `master_weights="remainder"`, an int16
+        remainder for each bfloat16 param), and `optax.MaskedNode()` elsewhere (so a
+        model with float32 params pays no extra memory). `mpjax.master_params` reads it.
       loss_scale: the current `LossScale` (a pytree).
       grads_finite: scalar bool, whether the last step's gradients were all finite. A
         step with finite gradients can still be skipped (a new float16 value that would
@@ -83,40 +92,12 @@ class _NotFloating:
     floating = False
 
 
-def _keeps_master(p: Any, master_weights: bool | str) -> bool:
-    if not _is_floating(p):
-        return False
-    if master_weights == "auto":
-        return jnp.dtype(p.dtype).itemsize < 4
-    return bool(master_weights)
-
-
 def _checks_new_value(target: Any, check_new_values: bool | str) -> bool:
     if target is None:
         return False
     if check_new_values == "auto":
         return target.dtype == jnp.float16
     return bool(check_new_values)
-
-
-def _wide(x: jax.Array) -> jax.Array:
-    wide = _wide_dtype(x.dtype)
-    return x if x.dtype == wide else x.astype(wide)
-
-
-def _view(params: Any, master: Any) -> Any:
-    """The float32 view the inner optimizer works on; non-floating leaves are masked."""
-
-    def view(p, m):
-        if not _is_floating(p):
-            return _MASKED()
-        return _wide(p) if isinstance(m, _MASKED) else m
-
-    return jax.tree.map(view, params, master)
-
-
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, _MASKED)
 
 
 class _StepConfig(NamedTuple):
@@ -192,23 +173,26 @@ def _take_step(step_in, state, params, scale, unscale_in_step, extra_args, confi
     inner update's kernels instead of writing an unscaled copy of every gradient.
     """
     unscaled = unscale_tree(step_in, scale) if unscale_in_step else step_in
-    view = _view(params, state.master)
+    view_ = view(params, state.master)
     inner_grads = jax.tree.map(lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled)
     inner_updates, new_inner = config.inner.update(
-        inner_grads, state.inner_state, view, **extra_args
+        inner_grads, state.inner_state, view_, **extra_args
     )
     # Mapped over the params' structure (None leaves, tuples and NamedTuples stay
     # nodes); a candidate is one opaque leaf per param.
-    cands = jax.tree.map(_candidate, params, state.master, view, inner_updates)
+    cands = jax.tree.map(_candidate, params, state.master, view_, inner_updates)
     targets = jax.tree.map(
-        lambda p, c: c.value.astype(p.dtype) if c.floating else None, params, cands
+        lambda p, m, c: rounded(p, m, c.value) if c.floating else None,
+        params,
+        state.master,
+        cands,
     )
     # A step with finite gradients can still overflow a param near the top of its
     # range: it is then skipped too.
     checked_ok = _new_values_ok(targets, config)
     ok = jnp.array(True) if checked_ok is None else checked_ok
     new_master = jax.tree.map(
-        lambda p, m, c: m if _is_masked(m) else jnp.where(ok, c.value, m),
+        lambda p, m, c: next_master(ok, m, c.value) if c.floating else m,
         params,
         state.master,
         cands,
@@ -338,6 +322,11 @@ def loss_scaled(
       master_weights: "auto" keeps a float32 master copy of each floating param stored
         below float32; True keeps one for every floating param; False keeps none (low
         precision params are then widened to float32 for each update and rounded back).
+        "remainder" is "auto" with the master of each bfloat16 param kept as the low 16
+        bits of the float32 master (an int16 remainder, 2 bytes instead of 4): the master
+        rebuilt from the param and its remainder is bit-identical to "auto"'s, and the
+        param is that master rounded to nearest (ties away from zero; see
+        `mpjax.master_params`).
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
@@ -401,9 +390,10 @@ def loss_scaled(
         raise ValueError(
             f"loss_scaled: skip_impl must be 'auto', 'cond' or 'select', got {skip_impl!r}"
         )
-    if master_weights not in ("auto", True, False):
+    if master_weights not in MASTER_MODES:
         raise ValueError(
-            f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
+            "loss_scaled: master_weights must be 'auto', True, False or 'remainder', "
+            f"got {master_weights!r}"
         )
     loss_scale = _check_loss_scale(loss_scale)
     if max_consecutive_skips not in ("auto", None) and (
@@ -422,13 +412,9 @@ def loss_scaled(
 
     def init_fn(params):
         _check_param_dtypes(params)
-        master = jax.tree.map(
-            lambda p: _wide(p) if _keeps_master(p, master_weights) else _MASKED(), params
-        )
-        # Copy, so that a master never aliases a float32 param buffer.
-        master = jax.tree.map(lambda m: jnp.array(m, copy=True), master)
+        master = jax.tree.map(lambda p: init_master(p, master_weights), params)
         return LossScaledState(
-            inner_state=inner.init(_view(params, master)),
+            inner_state=inner.init(view(params, master)),
             master=master,
             loss_scale=loss_scale,
             grads_finite=jnp.array(True),
