@@ -86,7 +86,7 @@ class RunResult:
       seed: the run's seed.
       metric: the evaluation figure (test accuracy in %, or validation bits per byte).
       history: per-step numpy arrays: "loss" (unscaled), "loss_scale", "grads_finite",
-        "skipped_steps".
+        "skipped" (the step was skipped, for any reason), "skipped_steps".
       wall_s: wall-clock seconds of the run, compilation included.
       params: final parameters.
       opt_state: final optimiser state.
@@ -306,7 +306,7 @@ def plot_runs(results: Sequence[RunResult], path: str | Path, title: str) -> Pat
             unscaled.append(name)
             continue
         (line,) = ax_scale.plot(steps, scale, label=f"{name} (seed {first.seed})")
-        skipped = ~first.history["grads_finite"].astype(bool)
+        skipped = first.history["skipped"].astype(bool)
         if skipped.any():
             ax_scale.plot(
                 steps[skipped], scale[skipped], "x", color=line.get_color(), label="skipped step"

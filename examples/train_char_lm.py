@@ -71,6 +71,17 @@ FP8 = "fp8"
 FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
 
 
+OPTIMIZER_STATES = ("f32", "bf16", "bf16-nearest")
+
+
+def optimizer_with_state(inner: optax.GradientTransformation, optimizer_state: str):
+    """`inner` with its state in float32 ("f32") or bfloat16 ("bf16": stochastic rounding)."""
+    if optimizer_state == "f32":
+        return inner
+    rounding = "nearest" if optimizer_state == "bf16-nearest" else "stochastic"
+    return mpjax.low_precision_state(inner, jnp.bfloat16, rounding=rounding)
+
+
 @dataclasses.dataclass(frozen=True)
 class CharLMConfig:
     """Hyper-parameters of one character-LM run.
@@ -89,6 +100,10 @@ class CharLMConfig:
       eval_windows: validation sequences the metric averages over.
       initial_scale: initial dynamic loss scale (fp16 only).
       growth_interval: finite steps between loss-scale doublings (fp16 only).
+      optimizer_state: "f32" (AdamW moments in float32), "bf16" (bfloat16, stochastic
+        rounding: `mpjax.low_precision_state`) or "bf16-nearest".
+      master_weights: `loss_scaled`'s `master_weights` ("auto" or "remainder"; the
+        remainder applies to bfloat16-stored params).
     """
 
     precision: str = "fp16"
@@ -103,8 +118,15 @@ class CharLMConfig:
     eval_windows: int = 128
     initial_scale: float = 2.0**15
     growth_interval: int = 100
+    optimizer_state: str = "f32"
+    master_weights: str = "auto"
 
     def __post_init__(self):
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"CharLMConfig.optimizer_state={self.optimizer_state!r}; choose from "
+                f"{', '.join(OPTIMIZER_STATES)}"
+            )
         if self.precision not in PRECISIONS and self.precision != FP8:
             raise ValueError(
                 f"CharLMConfig.precision={self.precision!r}; choose from "
@@ -256,12 +278,15 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
         0.0, config.learning_rate, max(1, config.steps // 10), config.steps
     )
     tx = mpjax.loss_scaled(
-        optax.adamw(schedule, weight_decay=config.weight_decay),
+        optimizer_with_state(
+            optax.adamw(schedule, weight_decay=config.weight_decay), config.optimizer_state
+        ),
         loss_scale_for(
             base,
             initial_scale=config.initial_scale,
             growth_interval=config.growth_interval,
         ),
+        master_weights=config.master_weights,
     )
 
     def loss(params, tokens):
@@ -289,6 +314,7 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
             "loss": ce,
             "loss_scale": m["loss_scale"],
             "grads_finite": m["grads_finite"],
+            "skipped": m["skipped"],
             "skipped_steps": m["skipped_steps"],
         }
         return (params, opt_state), metrics
@@ -414,6 +440,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=d.num_layers, help="transformer blocks")
     p.add_argument("--heads", type=int, default=d.num_heads, help="attention heads")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of stdlib source to use")
+    p.add_argument(
+        "--optimizer-state",
+        choices=OPTIMIZER_STATES,
+        default="f32",
+        help="AdamW moments in float32, or bfloat16 (stochastic or nearest rounding)",
+    )
+    p.add_argument(
+        "--master-weights",
+        choices=("auto", "remainder"),
+        default="auto",
+        help="loss_scaled's master weights (remainder: bf16-stored params only)",
+    )
     return p
 
 
@@ -428,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         d_model=args.d_model,
         num_layers=args.layers,
         num_heads=args.heads,
+        optimizer_state=args.optimizer_state,
+        master_weights=args.master_weights,
         **run_kwargs(args),
     )
     print()

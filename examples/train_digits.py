@@ -273,6 +273,7 @@ def make_train_fns(
             "loss": ce,
             "loss_scale": m["loss_scale"],
             "grads_finite": m["grads_finite"],
+            "skipped": m["skipped"],
             "skipped_steps": m["skipped_steps"],
         }
         return (params, batch_stats, opt_state), metrics

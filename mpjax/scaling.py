@@ -18,6 +18,8 @@ from mpjax._src.scaling.loss_scale import (
     unscale_tree,
 )
 from mpjax._src.scaling.loss_scaled import LossScaledState, loss_scaled
+from mpjax._src.scaling.low_precision import LowPrecisionState, low_precision_state
+from mpjax._src.scaling.master import master_params
 from mpjax._src.scaling.migrate import loss_scale_from_flax, with_loss_scale
 from mpjax._src.scaling.state_helpers import (
     find_loss_scaled_state,
@@ -37,6 +39,9 @@ __all__ = [
     "loss_scale_for",
     "loss_scale_from_flax",
     "loss_scaled",
+    "low_precision_state",
+    "LowPrecisionState",
+    "master_params",
     "LossScale",
     "LossScaledState",
     "nonfinite_report",

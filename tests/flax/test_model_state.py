@@ -306,3 +306,109 @@ def test_keep_if_skipped_under_shard_map_keeps_every_device():
     np.testing.assert_allclose(good, np.asarray(stats) * 0.9 + 0.1, rtol=1e-6)
     x[n // 2, 0] = np.inf  # a middle device overflows
     _assert_bit_identical(step(stats, x), stats)
+
+
+# ------------------------------------------------- a skip on a new value's overflow (finite grads)
+# The gradients are finite, but one float16 param sits at 65500 and the step pushes it by +100:
+# its new value would overflow (`check_new_values`), so `loss_scaled` skips the step. The model
+# state must be kept exactly as on a non-finite step, and every consumer must see the skip.
+def _push_up() -> optax.GradientTransformation:
+    """Adds +100 to every update: only a param near float16's max overflows."""
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda updates, state, params=None: (jax.tree.map(lambda u: u + 100.0, updates), state),
+    )
+
+
+def _value_skip_tx():
+    return mpjax.loss_scaled(
+        optax.chain(optax.sgd(1e-3), _push_up()), mpjax.DynamicLossScale(2.0**10)
+    )
+
+
+def _small_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs small enough that a 65500 weight computes finite activations and gradients."""
+    x, y = _batch(seed)
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(x.shape) * 1e-3).astype(np.float32), y
+
+
+def _assert_value_skip(opt_state, scale_before, counter_before):
+    metrics = mpjax.scaling_metrics(opt_state)
+    assert bool(metrics["grads_finite"])  # the case: finite gradients ...
+    assert bool(metrics["skipped"])  # ... and yet a skipped step
+    assert int(metrics["skipped_steps"]) == 1
+    ls = mpjax.find_loss_scaled_state(opt_state).loss_scale
+    assert float(ls.loss_scale) == scale_before  # neither grown nor backed off ...
+    assert int(ls.counter) == counter_before  # ... nor counted as a good step
+
+
+def test_linen_value_overflow_skip_keeps_batch_stats():
+    step, state = _linen_step(True)
+    kernel = state.params["dense"]["kernel"].at[0, 0].set(65500.0)
+    state = state.replace(
+        tx=_value_skip_tx(),
+        params={**state.params, "dense": {**state.params["dense"], "kernel": kernel}},
+    )
+    state = state.replace(opt_state=state.tx.init(state.params))
+    ls = mpjax.find_loss_scaled_state(state.opt_state).loss_scale
+    state2, _ = step(state, *_small_batch(1))
+    _assert_bit_identical(state2.batch_stats, state.batch_stats)
+    _assert_bit_identical(state2.params, state.params)
+    _assert_value_skip(state2.opt_state, float(ls.loss_scale), int(ls.counter))
+
+
+def test_nnx_value_overflow_skip_keeps_batchstat():
+    model = NnxBN(nnx.Rngs(0))
+    model.dense.kernel[...] = model.dense.kernel[...].at[0, 0].set(65500.0)
+    optimizer = nnx.Optimizer(model, _value_skip_tx(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        stats = mpjax.snapshot_state(model, nnx.BatchStat)
+
+        def loss_fn(m):
+            return mpjax.scale_loss(
+                jnp.mean((m(x).astype(jnp.float32) - y) ** 2), optimizer.opt_state
+            )
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+        mpjax.restore_if_skipped(model, stats, optimizer.opt_state)
+
+    before = _nnx_arrays(model)
+    params_before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    ls = mpjax.find_loss_scaled_state(optimizer.opt_state).loss_scale
+    scale, counter = float(ls.loss_scale), int(ls.counter)
+    step(model, optimizer, *_small_batch(1))
+    _assert_bit_identical(_nnx_arrays(model), before)
+    _assert_bit_identical(nnx.to_pure_dict(nnx.state(model, nnx.Param)), params_before)
+    _assert_value_skip(optimizer.opt_state, scale, counter)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_functional_value_overflow_skip_keeps_state(jit):
+    params, state, _, _ = _functional_setup(True)
+    params = {"w": params["w"].at[0, 0].set(65500.0)}
+    tx = _value_skip_tx()
+    opt_state = tx.init(params)
+
+    def step(params, state, opt_state, x, y):
+        def loss_fn(p):
+            out, new_state, _ = _apply(p, state, x)
+            return mpjax.scale_loss(jnp.mean((out - y) ** 2), opt_state), new_state
+
+        grads, new_state = jax.grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new_state = mpjax.keep_if_skipped(new_state, state, opt_state)
+        return optax.apply_updates(params, updates), new_state, opt_state
+
+    step = jax.jit(step) if jit else step
+    params2, state2, opt_state2 = step(params, state, opt_state, *_small_batch(1))
+    _assert_bit_identical(state2, state)
+    _assert_bit_identical(params2, params)
+    _assert_value_skip(opt_state2, 2.0**10, 0)
+    # The next step without the overflowing value applies, and reads as applied.
+    params = {"w": params["w"].at[0, 0].set(1.0)}
+    params3, state3, opt_state3 = step(params, state, tx.init(params), *_small_batch(1))
+    assert not bool(mpjax.scaling_metrics(opt_state3)["skipped"])
+    assert int(state3["count"]) == 1

@@ -20,10 +20,11 @@ __all__ = ["StateSnapshot", "keep_if_skipped", "restore_if_skipped", "snapshot_s
 def keep_if_skipped(new_state: Any, old_state: Any, opt_state: Any) -> Any:
     """Returns `new_state` if the step applied its update, else `old_state`, leaf by leaf.
 
-    The decision is the `grads_finite` flag of the `loss_scaled` state in `opt_state` (the state
-    `tx.update` just returned), so it is the same decision that skipped or applied the
-    parameter update, already combined over `axis_name` under pmap/shard_map and global under
-    jit with sharded inputs. One `select` per leaf, fused by XLA into the step.
+    The decision is the `skipped` flag of the `loss_scaled` state in `opt_state` (the state
+    `tx.update` just returned: non-finite gradients, or a new float16 param value that would
+    overflow), so it is the same decision that skipped or applied the parameter update, already
+    combined over `axis_name` under pmap/shard_map and global under jit with sharded inputs.
+    One `select` per leaf, fused by XLA into the step.
 
     Args:
       new_state: the model state the step's forward pass returned (a pytree).
@@ -39,8 +40,8 @@ def keep_if_skipped(new_state: Any, old_state: Any, opt_state: Any) -> Any:
       >>> updates, opt_state = tx.update(grads, opt_state, params)
       >>> batch_stats = mpjax.keep_if_skipped(new_batch_stats, batch_stats, opt_state)
     """
-    grads_finite = find_loss_scaled_state(opt_state).grads_finite
-    return select_tree(grads_finite, new_state, old_state)
+    skipped = find_loss_scaled_state(opt_state).skipped
+    return select_tree(skipped, old_state, new_state)
 
 
 class StateSnapshot(NamedTuple):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._src.core.dataclass import _replace, field, pytree_dataclass
 from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.dtypes import wide_dtype as _wide_dtype
 from mpjax._src.scaling.leaves import _check_flag, _map_floating, _widen_tree
@@ -138,7 +139,7 @@ def _scalar(value: Any, dtype) -> jax.Array:
     return jnp.asarray(value, dtype)
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@pytree_dataclass
 class NoOpLossScale(LossScale):
     """A loss scale that does not scale: `scale`/`unscale` only widen to float32.
 
@@ -151,16 +152,10 @@ class NoOpLossScale(LossScale):
       dtype('float32')
     """
 
-    def __init__(self):
-        self.loss_scale = jnp.ones((), jnp.float32)
-
-    def tree_flatten_with_keys(self):
-        return (), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux, children
-        return cls()
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The scale, 1.0 as a float32 scalar (not a leaf: the tree has none)."""
+        return jnp.ones((), jnp.float32)
 
     def scale(self, tree: Any) -> Any:
         """Widens the floating leaves of `tree` to (at least) float32; scales by nothing."""
@@ -170,11 +165,8 @@ class NoOpLossScale(LossScale):
         """Widens the floating leaves of `tree` to (at least) float32; divides by nothing."""
         return _widen_tree(tree, "unscale")
 
-    def __repr__(self):
-        return "NoOpLossScale()"
 
-
-@jax.tree_util.register_pytree_with_keys_class
+@pytree_dataclass
 class StaticLossScale(LossScale):
     """A fixed loss scale.
 
@@ -186,25 +178,17 @@ class StaticLossScale(LossScale):
       Array(2., dtype=float32)
     """
 
+    loss_scale: jax.Array
+
     def __init__(self, scale: float = 2.0**15):
         _check_positive_finite("StaticLossScale: scale", scale)
-        self.loss_scale = _scalar(scale, jnp.float32)
-
-    def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("loss_scale"), self.loss_scale),), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        obj = object.__new__(cls)
-        obj.loss_scale = children[0]
-        return obj
+        self._set(loss_scale=_scalar(scale, jnp.float32))
 
     def __repr__(self):
         return f"StaticLossScale({self.loss_scale!r})"
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@pytree_dataclass
 class DynamicLossScale(LossScale):
     """A loss scale that backs off on non-finite gradients and grows after finite runs.
 
@@ -232,6 +216,14 @@ class DynamicLossScale(LossScale):
       >>> float(ls.adjust(jnp.array(True)).loss_scale)
       32.0
     """
+
+    loss_scale: jax.Array
+    counter: jax.Array
+    growth_interval: int = field(static=True)
+    growth_factor: float = field(static=True)
+    backoff_factor: float = field(static=True)
+    min_scale: float = field(static=True)
+    max_scale: float | None = field(static=True)
 
     def __init__(
         self,
@@ -274,13 +266,15 @@ class DynamicLossScale(LossScale):
                 f"DynamicLossScale: initial_scale={initial_scale} is outside "
                 f"[min_scale={min_scale}, max_scale={max_scale}]"
             )
-        self.loss_scale = _scalar(initial_scale, jnp.float32)
-        self.counter = _scalar(0, jnp.int32)
-        self.growth_interval = int(growth_interval)
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.min_scale = min_scale
-        self.max_scale = max_scale
+        self._set(
+            loss_scale=_scalar(initial_scale, jnp.float32),
+            counter=_scalar(0, jnp.int32),
+            growth_interval=int(growth_interval),
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
 
     @property
     def config(self) -> tuple:
@@ -293,36 +287,16 @@ class DynamicLossScale(LossScale):
             self.max_scale,
         )
 
-    def tree_flatten_with_keys(self):
-        children = (
-            (jax.tree_util.GetAttrKey("loss_scale"), self.loss_scale),
-            (jax.tree_util.GetAttrKey("counter"), self.counter),
-        )
-        return children, self.config
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        # Bypasses __init__: configuration was validated at construction, and leaves
-        # may be tracers or placeholders here.
-        obj = object.__new__(cls)
-        obj.loss_scale, obj.counter = children
-        (
-            obj.growth_interval,
-            obj.growth_factor,
-            obj.backoff_factor,
-            obj.min_scale,
-            obj.max_scale,
-        ) = aux
-        return obj
-
     def replace(self, *, loss_scale: Any = None, counter: Any = None) -> DynamicLossScale:
         """Returns a copy with new numeric state and the same configuration."""
-        return self.tree_unflatten(
-            self.config,
-            (
-                self.loss_scale if loss_scale is None else jnp.asarray(loss_scale, jnp.float32),
-                self.counter if counter is None else jnp.asarray(counter, jnp.int32),
-            ),
+        if loss_scale is not None:
+            loss_scale = jnp.asarray(loss_scale, jnp.float32)
+        if counter is not None:
+            counter = jnp.asarray(counter, jnp.int32)
+        return _replace(
+            self,
+            loss_scale=self.loss_scale if loss_scale is None else loss_scale,
+            counter=self.counter if counter is None else counter,
         )
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
@@ -354,11 +328,3 @@ class DynamicLossScale(LossScale):
         new_scale = jnp.where(grads_finite, finite_scale, backed_off)
         new_counter = jnp.where(grads_finite, finite_counter, 0).astype(jnp.int32)
         return self.replace(loss_scale=new_scale, counter=new_counter)
-
-    def __repr__(self):
-        return (
-            f"DynamicLossScale(loss_scale={self.loss_scale!r}, counter={self.counter!r}, "
-            f"growth_interval={self.growth_interval}, growth_factor={self.growth_factor}, "
-            f"backoff_factor={self.backoff_factor}, min_scale={self.min_scale}, "
-            f"max_scale={self.max_scale})"
-        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -26,6 +27,14 @@ from mpjax._src.scaling.loss_scale import (
     select_tree,
     unscale_tree,
 )
+from mpjax._src.scaling.master import (
+    MASTER_MODES,
+    _is_masked,
+    init_master,
+    next_master,
+    rounded,
+    view,
+)
 
 __all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
 
@@ -39,10 +48,13 @@ class LossScaledState(NamedTuple):
       inner_state: the inner transformation's state, built on the float32 view of the
         params (master weights where kept, params widened to float32 elsewhere).
       master: a tree shaped like the params holding the float32 master copy of each
-        floating param that keeps one, and `optax.MaskedNode()` elsewhere (so a model
-        with float32 params pays no extra memory).
+        floating param that keeps one (with `master_weights="remainder"`, an int16
+        remainder for each bfloat16 param), and `optax.MaskedNode()` elsewhere (so a
+        model with float32 params pays no extra memory). `mpjax.master_params` reads it.
       loss_scale: the current `LossScale` (a pytree).
-      grads_finite: scalar bool, whether the last step's gradients were all finite.
+      grads_finite: scalar bool, whether the last step's gradients were all finite. A
+        step with finite gradients can still be skipped (a new float16 value that would
+        overflow, see `check_new_values`): read `skipped` for the step's decision.
       skipped_steps: scalar int32, how many steps were skipped in total.
       consecutive_skips: scalar int32, how many steps in a row were skipped last.
     """
@@ -53,6 +65,16 @@ class LossScaledState(NamedTuple):
     grads_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+
+    @property
+    def skipped(self) -> jax.Array:
+        """Scalar bool: whether the last step was skipped, whatever the reason.
+
+        Non-finite gradients, or finite ones whose new param value would overflow: the
+        params, master and inner state were left bit-identical. `keep_if_skipped`,
+        `restore_if_skipped` and `scaling_metrics` read this flag.
+        """
+        return self.consecutive_skips > 0
 
 
 class _Candidate:
@@ -70,14 +92,6 @@ class _NotFloating:
     floating = False
 
 
-def _keeps_master(p: Any, master_weights: bool | str) -> bool:
-    if not _is_floating(p):
-        return False
-    if master_weights == "auto":
-        return jnp.dtype(p.dtype).itemsize < 4
-    return bool(master_weights)
-
-
 def _checks_new_value(target: Any, check_new_values: bool | str) -> bool:
     if target is None:
         return False
@@ -86,20 +100,173 @@ def _checks_new_value(target: Any, check_new_values: bool | str) -> bool:
     return bool(check_new_values)
 
 
-def _wide(x: jax.Array) -> jax.Array:
-    wide = _wide_dtype(x.dtype)
-    return x if x.dtype == wide else x.astype(wide)
+class _StepConfig(NamedTuple):
+    """What `loss_scaled` fixed at construction, as the step functions need it."""
+
+    inner: optax.GradientTransformationExtraArgs
+    check_new_values: bool | str
+    axis_name: str | tuple[str, ...] | None
 
 
-def _view(params: Any, master: Any) -> Any:
-    """The float32 view the inner optimizer works on; non-floating leaves are masked."""
+def _check_grads(grads, scale, checks, lazy_unscale, unscale_and_check, impl, axis_name):
+    """Check: (the gradients the step reads, whether they are all finite, a scalar bool).
 
-    def view(p, m):
-        if not _is_floating(p):
-            return _MASKED()
-        return _wide(p) if isinstance(m, _MASKED) else m
+    With `lazy_unscale` the gradients are only read here and unscaled inside `_take_step`;
+    otherwise `unscale_and_check` returns them unscaled. `checks=False` checks nothing.
+    """
+    if not checks:
+        return grads, jnp.array(True)
+    if lazy_unscale:
+        # "auto" is the grouped XLA reduction on every platform: it fuses the convert of
+        # a float16 gradient, which the Pallas custom call cannot absorb.
+        check_impl = "xla" if impl == "auto" else impl
+        step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=check_impl)
+    else:
+        step_in, grads_finite = unscale_and_check(grads, scale)
+    grads_finite = jnp.asarray(grads_finite, jnp.bool_)
+    if axis_name is not None:
+        grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
+    return step_in, grads_finite
 
-    return jax.tree.map(view, params, master)
+
+def _candidate(p, m, v, u):
+    """(step in the wide dtype, new wide value) of one floating leaf."""
+    if not _is_floating(p):
+        return _NotFloating()
+    u = u.astype(v.dtype)
+    if p.dtype == v.dtype and not _is_masked(m):
+        # A float32 param with a float32 master: define the new master as the sum
+        # the caller will form, p + d. That add has no multiply beside it, so XLA
+        # cannot contract one side into an FMA and not the other.
+        d = (v + u) - p
+        return _Candidate(d, p + d)
+    return _Candidate(u, v + u)
+
+
+def _param_step(p, c, target):
+    """The update that `optax.apply_updates` turns into exactly `target` from `p`."""
+    u = c.step
+    if p.dtype == u.dtype:
+        return u  # p + u is the new value itself
+    wide = u.dtype
+    step = target.astype(wide) - p.astype(wide)
+    # x + (-0.0) == x for every x, signed zeros included; +0.0 is not.
+    same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
+    return jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
+
+
+def _new_values_ok(targets, config: _StepConfig):
+    """Whether no checked param's new value overflows; None when no param is checked."""
+    checked = [t for t in jax.tree.leaves(targets) if _checks_new_value(t, config.check_new_values)]
+    if not checked:
+        return None
+    ok = all_finite(checked)
+    if config.axis_name is not None:
+        ok = jax.lax.pmin(ok.astype(jnp.int32), config.axis_name) > 0
+    return ok
+
+
+def _take_step(step_in, state, params, scale, unscale_in_step, extra_args, config: _StepConfig):
+    """Take step (finite gradients): (updates, inner state, master, new values finite).
+
+    The gradients are unscaled here when `unscale_in_step`, so the multiply fuses into the
+    inner update's kernels instead of writing an unscaled copy of every gradient.
+    """
+    unscaled = unscale_tree(step_in, scale) if unscale_in_step else step_in
+    view_ = view(params, state.master)
+    inner_grads = jax.tree.map(lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled)
+    inner_updates, new_inner = config.inner.update(
+        inner_grads, state.inner_state, view_, **extra_args
+    )
+    # Mapped over the params' structure (None leaves, tuples and NamedTuples stay
+    # nodes); a candidate is one opaque leaf per param.
+    cands = jax.tree.map(_candidate, params, state.master, view_, inner_updates)
+    targets = jax.tree.map(
+        lambda p, m, c: rounded(p, m, c.value) if c.floating else None,
+        params,
+        state.master,
+        cands,
+    )
+    # A step with finite gradients can still overflow a param near the top of its
+    # range: it is then skipped too.
+    checked_ok = _new_values_ok(targets, config)
+    ok = jnp.array(True) if checked_ok is None else checked_ok
+    new_master = jax.tree.map(
+        lambda p, m, c: next_master(ok, m, c.value) if c.floating else m,
+        params,
+        state.master,
+        cands,
+    )
+    updates = jax.tree.map(
+        lambda p, c, t: (
+            jnp.where(ok, _param_step(p, c, t), jnp.array(-0.0, c.step.dtype))
+            if c.floating
+            else jnp.zeros_like(p)
+        ),
+        params,
+        cands,
+        targets,
+    )
+    if checked_ok is not None:
+        new_inner = select_tree(ok, new_inner, state.inner_state)
+    return updates, new_inner, new_master, ok
+
+
+def _skip_step(state, params):
+    """Skip step: updates that leave every param bit-identical, and the state unchanged."""
+    updates = jax.tree.map(
+        lambda p: (
+            jnp.full(p.shape, -0.0, _wide_dtype(p.dtype)) if _is_floating(p) else jnp.zeros_like(p)
+        ),
+        params,
+    )
+    return updates, state.inner_state, state.master, jnp.array(False)
+
+
+def _step_or_skip(grads_finite, step_in, take, skip, skip_impl):
+    """Runs `take(step_in)` or `skip()` as `grads_finite` says, by `lax.cond` or a select."""
+
+    def by_cond(x):
+        return jax.lax.cond(grads_finite, take, lambda _: skip(), x)
+
+    def by_select(x):
+        return select_tree(grads_finite, take(x), skip())
+
+    if skip_impl == "cond":
+        return by_cond(step_in)
+    if skip_impl == "select":
+        return by_select(step_in)
+    return jax.lax.platform_dependent(step_in, cpu=by_cond, default=by_select)
+
+
+def _next_loss_scale(loss_scale, grads_finite, ok, values_checked):
+    """The adjusted loss scale; unchanged after a step skipped on a new value's overflow.
+
+    Such a step is not a good step (a dynamic scale does not count it towards growth), and
+    the scale is not to blame (the unscaled update overflowed), so it does not back off.
+    """
+    adjusted = loss_scale.adjust(grads_finite)
+    if not values_checked:
+        return adjusted
+    value_skip = jnp.logical_and(grads_finite, jnp.logical_not(ok))
+    return select_tree(value_skip, loss_scale, adjusted)
+
+
+def _next_state(state, new_inner, new_master, grads_finite, ok, limit, values_checked):
+    """Next state: counters, loss scale and the in-step divergence check."""
+    finite = jnp.logical_and(grads_finite, ok)
+    skipped = jnp.logical_not(finite).astype(jnp.int32)
+    consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
+    if limit is not None:
+        raise_in_step_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
+    return LossScaledState(
+        inner_state=new_inner,
+        master=new_master,
+        loss_scale=_next_loss_scale(state.loss_scale, grads_finite, ok, values_checked),
+        grads_finite=grads_finite,
+        skipped_steps=state.skipped_steps + skipped,
+        consecutive_skips=consecutive,
+    )
 
 
 def loss_scaled(
@@ -155,6 +322,11 @@ def loss_scaled(
       master_weights: "auto" keeps a float32 master copy of each floating param stored
         below float32; True keeps one for every floating param; False keeps none (low
         precision params are then widened to float32 for each update and rounded back).
+        "remainder" is "auto" with the master of each bfloat16 param kept as the low 16
+        bits of the float32 master (an int16 remainder, 2 bytes instead of 4): the master
+        rebuilt from the param and its remainder is bit-identical to "auto"'s, and the
+        param is that master rounded to nearest (ties away from zero; see
+        `mpjax.master_params`).
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
@@ -218,9 +390,10 @@ def loss_scaled(
         raise ValueError(
             f"loss_scaled: skip_impl must be 'auto', 'cond' or 'select', got {skip_impl!r}"
         )
-    if master_weights not in ("auto", True, False):
+    if master_weights not in MASTER_MODES:
         raise ValueError(
-            f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
+            "loss_scaled: master_weights must be 'auto', True, False or 'remainder', "
+            f"got {master_weights!r}"
         )
     loss_scale = _check_loss_scale(loss_scale)
     if max_consecutive_skips not in ("auto", None) and (
@@ -239,13 +412,9 @@ def loss_scaled(
 
     def init_fn(params):
         _check_param_dtypes(params)
-        master = jax.tree.map(
-            lambda p: _wide(p) if _keeps_master(p, master_weights) else _MASKED(), params
-        )
-        # Copy, so that a master never aliases a float32 param buffer.
-        master = jax.tree.map(lambda m: jnp.array(m, copy=True), master)
+        master = jax.tree.map(lambda p: init_master(p, master_weights), params)
         return LossScaledState(
-            inner_state=inner.init(_view(params, master)),
+            inner_state=inner.init(view(params, master)),
             master=master,
             loss_scale=loss_scale,
             grads_finite=jnp.array(True),
@@ -278,6 +447,8 @@ def loss_scaled(
             default=lambda g, s, p: _update(g, s, p, extra_args, True, None),
         )
 
+    config = _StepConfig(inner, check_new_values, axis_name)
+
     def _update(grads, state, params, extra_args, lazy_unscale, unscale_and_check):
         """One step; `lazy_unscale`: check only, and unscale inside the inner update."""
         # NoOpLossScale neither scales nor checks: the step is the inner step (no extra
@@ -287,136 +458,33 @@ def loss_scaled(
         if limit == "auto":
             limit = default_max_consecutive_skips(state.loss_scale) if checks else None
         scale = state.loss_scale.loss_scale
-        # The default check only reads the gradients; they are unscaled inside `take_step`.
-        unscale_in_step = checks and lazy_unscale
-        if not checks:
-            step_in, grads_finite = grads, jnp.array(True)
-        elif lazy_unscale:
-            # "auto" is the grouped XLA reduction on every platform: it fuses the convert of
-            # a float16 gradient, which the Pallas custom call cannot absorb.
-            check_impl = "xla" if impl == "auto" else impl
-            step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=check_impl)
-        else:
-            step_in, grads_finite = unscale_and_check(grads, scale)
-        grads_finite = jnp.asarray(grads_finite, jnp.bool_)
-        if checks and axis_name is not None:
-            grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
-        is_masked = lambda x: isinstance(x, _MASKED)  # noqa: E731
-
-        def candidate(p, m, v, u):
-            """(step in the wide dtype, new wide value) of one floating leaf."""
-            if not _is_floating(p):
-                return _NotFloating()
-            u = u.astype(v.dtype)
-            if p.dtype == v.dtype and not is_masked(m):
-                # A float32 param with a float32 master: define the new master as the sum
-                # the caller will form, p + d. That add has no multiply beside it, so XLA
-                # cannot contract one side into an FMA and not the other.
-                d = (v + u) - p
-                return _Candidate(d, p + d)
-            return _Candidate(u, v + u)
-
-        def param_step(p, c, target):
-            u = c.step
-            if p.dtype == u.dtype:
-                return u  # p + u is the new value itself
-            wide = u.dtype
-            step = target.astype(wide) - p.astype(wide)
-            # x + (-0.0) == x for every x, signed zeros included; +0.0 is not.
-            same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
-            return jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
-
-        def take_step(step_in):
-            """The step on finite gradients: (updates, inner state, master, values finite)."""
-            # Unscaled here, so the multiply fuses into the inner update's kernels instead of
-            # writing an unscaled copy of every gradient.
-            unscaled = unscale_tree(step_in, scale) if unscale_in_step else step_in
-            view = _view(params, state.master)
-            inner_grads = jax.tree.map(
-                lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
-            )
-            inner_updates, new_inner = inner.update(
-                inner_grads, state.inner_state, view, **extra_args
-            )
-            # Mapped over the params' structure (None leaves, tuples and NamedTuples stay
-            # nodes); a candidate is one opaque leaf per param.
-            cands = jax.tree.map(candidate, params, state.master, view, inner_updates)
-            targets = jax.tree.map(
-                lambda p, c: c.value.astype(p.dtype) if c.floating else None, params, cands
-            )
-            # A step with finite gradients can still overflow a param near the top of its
-            # range: it is then skipped too.
-            checked = [
-                t for t in jax.tree.leaves(targets) if _checks_new_value(t, check_new_values)
-            ]
-            ok = all_finite(checked)
-            if checked and axis_name is not None:
-                ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
-            new_master = jax.tree.map(
-                lambda p, m, c: m if is_masked(m) else jnp.where(ok, c.value, m),
-                params,
-                state.master,
-                cands,
-            )
-            updates = jax.tree.map(
-                lambda p, c, t: (
-                    jnp.where(ok, param_step(p, c, t), jnp.array(-0.0, c.step.dtype))
-                    if c.floating
-                    else jnp.zeros_like(p)
-                ),
-                params,
-                cands,
-                targets,
-            )
-            if checked:
-                new_inner = select_tree(ok, new_inner, state.inner_state)
-            return updates, new_inner, new_master, ok
-
-        def skip_step(step_in):
-            del step_in
-            updates = jax.tree.map(
-                lambda p: (
-                    jnp.full(p.shape, -0.0, _wide_dtype(p.dtype))
-                    if _is_floating(p)
-                    else jnp.zeros_like(p)
-                ),
-                params,
-            )
-            return updates, state.inner_state, state.master, jnp.array(False)
-
-        def by_cond(step_in):
-            return jax.lax.cond(grads_finite, take_step, skip_step, step_in)
-
-        def by_select(step_in):
-            return select_tree(grads_finite, take_step(step_in), skip_step(step_in))
-
+        step_in, grads_finite = _check_grads(
+            grads, scale, checks, lazy_unscale, unscale_and_check, impl, axis_name
+        )
+        take = functools.partial(
+            _take_step,
+            state=state,
+            params=params,
+            scale=scale,
+            unscale_in_step=checks and lazy_unscale,
+            extra_args=extra_args,
+            config=config,
+        )
+        floating = [p for p in jax.tree.leaves(params) if _is_floating(p)]
+        values_checked = any(_checks_new_value(p, check_new_values) for p in floating)
         if not checks:  # nothing to skip on (a float16 overflow check may still skip)
-            updates, new_inner, new_master, ok = take_step(step_in)
-            floating = [p for p in jax.tree.leaves(params) if _is_floating(p)]
-            if not any(_checks_new_value(p, check_new_values) for p in floating):
+            updates, new_inner, new_master, ok = take(step_in)
+            if not values_checked:
                 # Nothing can skip: the counters are forwarded, not recomputed, so the
                 # step is exactly the inner step.
                 return updates, state._replace(inner_state=new_inner, master=new_master)
-        elif skip_impl == "cond":
-            updates, new_inner, new_master, ok = by_cond(step_in)
-        elif skip_impl == "select":
-            updates, new_inner, new_master, ok = by_select(step_in)
         else:
-            updates, new_inner, new_master, ok = jax.lax.platform_dependent(
-                step_in, cpu=by_cond, default=by_select
+            skip = functools.partial(_skip_step, state, params)
+            updates, new_inner, new_master, ok = _step_or_skip(
+                grads_finite, step_in, take, skip, skip_impl
             )
-        finite = jnp.logical_and(grads_finite, ok)
-        skipped = jnp.logical_not(finite).astype(jnp.int32)
-        consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
-        if limit is not None:
-            raise_in_step_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
-        new_state = LossScaledState(
-            inner_state=new_inner,
-            master=new_master,
-            loss_scale=state.loss_scale.adjust(grads_finite),
-            grads_finite=grads_finite,
-            skipped_steps=state.skipped_steps + skipped,
-            consecutive_skips=consecutive,
+        new_state = _next_state(
+            state, new_inner, new_master, grads_finite, ok, limit, values_checked
         )
         return updates, new_state
 

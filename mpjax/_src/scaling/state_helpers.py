@@ -89,12 +89,21 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Scalar arrays ready to log: `loss_scale`, `grads_finite`, `skipped_steps`,
-    `consecutive_skips`."""
+    """Scalar arrays ready to log: `loss_scale`, `grads_finite`, `skipped`, `skipped_steps`,
+    `consecutive_skips`.
+
+    `skipped` says whether the last step was skipped for any reason (non-finite gradients,
+    or a new float16 param value that would overflow); `grads_finite` only the first.
+
+    Example:
+      >>> sorted(scaling_metrics(loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
+      ['consecutive_skips', 'grads_finite', 'loss_scale', 'skipped', 'skipped_steps']
+    """
     state = find_loss_scaled_state(opt_state)
     return {
         "loss_scale": state.loss_scale.loss_scale,
         "grads_finite": state.grads_finite,
+        "skipped": state.skipped,
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
     }

@@ -1,0 +1,178 @@
+"""Training-state memory per mode on the GPT-2-small LM, and the optimizer step's cost on H100.
+
+One command:
+
+    MPJAX_GPU_AOT_PYTHON=/path/to/gpu-aot/python python benchmarks/memory.py
+
+1. Bytes per parameter of the training state (params + optimizer state, read from the state
+   pytree of `jax.eval_shape(tx.init, params)`), for each mode, and per device when the
+   state is sharded over 8 GPUs (FSDP: every leaf split 8 ways).
+2. The optimizer step (`tx.update` + `optax.apply_updates`, gradients given, donated) of
+   each mode compiled deviceless for H100 and read by the GPU cost model
+   (`mpjax/_src/analysis`): bytes accessed and roofline, as ratios to today's loss-scaled
+   step (bf16 params, float32 master, float32 Adam state). Runs under
+   `$MPJAX_GPU_AOT_PYTHON` when this python has no CUDA plugin; reported as skipped
+   otherwise.
+
+Convergence (char-LM, digits) is run by `examples/train_char_lm.py --optimizer-state ...
+--master-weights ...`; see docs/guides/memory.md. `--quick` uses the small LM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import mpjax  # noqa: E402
+from benchmarks.gpu_cost_model import (  # noqa: E402
+    Skip,
+    delegate_to_gpu_aot,
+    measure,
+    plugin_available,
+)
+from benchmarks.train_models import LM, LM_SIZES, VOCAB  # noqa: E402
+from mpjax._src.analysis.target import compile_step, h100_sharding  # noqa: E402
+
+LR = 3e-4
+FSDP_DEVICES = 8
+
+
+def _adamw():
+    return optax.adamw(LR, weight_decay=0.1)
+
+
+# name -> (param dtype, optimizer factory)
+MODES = {
+    "optax.adamw, float32 params": (jnp.float32, _adamw),
+    "loss_scaled(adamw), float32 params": (jnp.float32, lambda: mpjax.loss_scaled(_adamw())),
+    "bf16 params + float32 master (today)": (jnp.bfloat16, lambda: mpjax.loss_scaled(_adamw())),
+    "bf16 params + remainder master": (
+        jnp.bfloat16,
+        lambda: mpjax.loss_scaled(_adamw(), master_weights="remainder"),
+    ),
+    "bf16 params + float32 master + bf16 state": (
+        jnp.bfloat16,
+        lambda: mpjax.loss_scaled(mpjax.low_precision_state(_adamw())),
+    ),
+    "bf16 params + remainder + bf16 state": (
+        jnp.bfloat16,
+        lambda: mpjax.loss_scaled(mpjax.low_precision_state(_adamw()), master_weights="remainder"),
+    ),
+}
+ANCHOR = "bf16 params + float32 master (today)"
+
+
+def lm_params(size: str, param_dtype) -> dict:
+    """Shapes of the GPT-2-like LM's params (no memory is allocated)."""
+    cfg = dict(LM_SIZES[size])
+    batch = cfg.pop("batch")
+    model = LM(vocab=VOCAB["full" if size == "gpt2" else "quick"], param_dtype=param_dtype, **cfg)
+    tokens = jax.ShapeDtypeStruct((batch, cfg["seq"]), jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens, tokens)
+    return variables["params"]
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def state_bytes(size: str) -> list[dict]:
+    rows = []
+    for name, (dtype, make) in MODES.items():
+        params = lm_params(size, dtype)
+        opt_state = jax.eval_shape(make().init, params)
+        n = sum(x.size for x in jax.tree.leaves(params))
+        total = _nbytes(params) + _nbytes(opt_state)
+        rows.append(
+            {
+                "mode": name,
+                "params": n,
+                "param_bytes": _nbytes(params) / n,
+                "opt_state_bytes": _nbytes(opt_state) / n,
+                "bytes_per_param": total / n,
+                "GiB_per_device_fsdp8": total / FSDP_DEVICES / 2**30,
+            }
+        )
+    return rows
+
+
+def _step(tx):
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def step_costs(size: str) -> list[dict]:
+    sharding = h100_sharding()
+    rows = []
+    for name, (dtype, make) in MODES.items():
+        tx = make()
+        params = lm_params(size, dtype)
+        opt_state = jax.eval_shape(tx.init, params)
+        compiled = compile_step(_step(tx), (params, opt_state, params), sharding, (0, 1))
+        m = measure(compiled)
+        rows.append({"mode": name, "bytes": m["bytes"], "roofline_s": m["roofline_s"]})
+    anchor = next(r for r in rows if r["mode"] == ANCHOR)
+    for r in rows:
+        r["bytes_vs_today"] = r["bytes"] / anchor["bytes"]
+        r["roofline_vs_today"] = r["roofline_s"] / anchor["roofline_s"]
+    return rows
+
+
+def _table(rows: list[dict], keys: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, costs: bool = True) -> dict:
+    size = "quick" if quick else "gpt2"
+    out = {"size": size, "state": state_bytes(size)}
+    if costs:
+        if plugin_available():
+            out["step"] = step_costs(size)
+        else:
+            try:
+                out["step"] = delegate_to_gpu_aot(Path(__file__), quick)["step"]
+            except Skip as e:
+                out["step_skipped"] = str(e)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the small LM instead of GPT-2 small")
+    p.add_argument("--no-costs", action="store_true", help="skip the H100 cost model")
+    p.add_argument("--json", type=Path, help="write the result here")
+    args = p.parse_args(argv)
+    result = run(args.quick, not args.no_costs)
+    keys = ["mode", "param_bytes", "opt_state_bytes", "bytes_per_param", "GiB_per_device_fsdp8"]
+    print(f"Training state, {result['size']} LM ({result['state'][0]['params']:,} params)")
+    print(_table(result["state"], keys))
+    if "step" in result:
+        print("\nOptimizer step on the H100 cost model")
+        print(_table(result["step"], ["mode", "bytes", "bytes_vs_today", "roofline_vs_today"]))
+    else:
+        print("\nH100 cost model skipped:", result.get("step_skipped"))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""`low_precision_state`: any optax optimizer's state stored in bfloat16 (or another dtype).
+
+Each update widens the stored state to the dtypes the inner optimizer made it in (float32),
+runs the inner update there, and rounds the new state back: to nearest, or stochastically
+(unbiased: `E[round(x)] == x`), so that increments below half a bfloat16 ulp (Adam's second
+moment decaying by 0.999 a step) are kept on average instead of lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpjax._src.core.dtypes import is_floating as _is_floating
+
+__all__ = ["LowPrecisionState", "low_precision_state", "stochastic_round"]
+
+_ROUNDINGS = ("stochastic", "nearest")
+
+
+class LowPrecisionState(NamedTuple):
+    """State of `low_precision_state`.
+
+    Attributes:
+      inner_state: the inner transformation's state, its wider floating leaves stored in
+        the low precision dtype.
+      count: int32 scalar, the updates taken so far; with the seed it keys the stochastic
+        rounding of the next update, so a resumed run rounds bit for bit as the first.
+    """
+
+    inner_state: Any
+    count: jax.Array
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finaliser: an invertible mix with full avalanche."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _random_bits16(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
+    """16 pseudo-random bits per element (uint32 in [0, 2**16)) from a counter hash of `seed`.
+
+    Elementwise integer arithmetic on an iota, which XLA fuses into the rounding's kernel
+    (no random-number kernel, no extra memory traffic).
+    """
+    size = 1
+    for d in shape:
+        size *= d
+    index = jax.lax.iota(jnp.uint32, size).reshape(shape)
+    return _fmix32(index * jnp.uint32(0x9E3779B9) + seed) >> 16
+
+
+def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:
+    """Rounds float32 `x` to bfloat16 stochastically: up with probability (x - down) / ulp.
+
+    Adds 16 random bits below the bfloat16 mantissa and truncates, so `E[result] == x` for
+    every finite `x` whose rounding does not overflow; infinities and NaN stay so.
+
+    Args:
+      x: a float32 array.
+      seed: a uint32 scalar; the same seed gives the same rounding.
+
+    Returns:
+      A bfloat16 array shaped like `x`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.full((10000,), 1.0 + 2.0**-10, jnp.float32)  # 1/8 of a bf16 ulp above 1
+      >>> r = stochastic_round(x, jnp.uint32(0)).astype(jnp.float32)
+      >>> sorted(set(r.tolist())), 0.08 < float((r > 1).mean()) < 0.17
+      ([1.0, 1.0078125], True)
+    """
+    if x.dtype != jnp.float32:
+        raise TypeError(f"stochastic_round: needs a float32 array, got {x.dtype}")
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    finite = jnp.isfinite(x)
+    noisy = jnp.where(finite, bits + _random_bits16(x.shape, seed), bits)
+    hi = (noisy >> 16).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
+
+
+def _leaf_seed(seed: int, count: jax.Array, leaf: int) -> jax.Array:
+    mixed = _fmix32(jnp.uint32(seed) ^ _fmix32(count.astype(jnp.uint32) + jnp.uint32(0x632BE5AB)))
+    return _fmix32(mixed ^ jnp.uint32((leaf * 0x27D4EB2F) & 0xFFFFFFFF))
+
+
+def _narrows(x: Any, dtype: jnp.dtype) -> bool:
+    return _is_floating(x) and jnp.dtype(x.dtype).itemsize > jnp.dtype(dtype).itemsize
+
+
+def low_precision_state(
+    inner: optax.GradientTransformation,
+    dtype: Any = jnp.bfloat16,
+    rounding: str = "stochastic",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Stores `inner`'s floating state in `dtype`; each update runs in float32 and rounds back.
+
+    Every floating leaf of the inner state wider than `dtype` (Adam's `mu` and `nu`, Lion's
+    momentum, Adafactor's factored moments) is stored in `dtype`; counts and other integer
+    leaves are untouched. An update widens the state to the dtypes `inner.init` gives,
+    runs `inner.update`, and rounds the new state to `dtype`. Put it inside
+    `mpjax.loss_scaled`: a skipped step then leaves this state (and its count)
+    bit-identical.
+
+    Args:
+      inner: the optax transformation whose state to store narrow.
+      dtype: the storage dtype of the floating state (default bfloat16).
+      rounding: "stochastic" (default; bfloat16 only): unbiased stochastic rounding keyed
+        from `seed` and the update count, so a run resumed from a checkpoint is bitwise
+        identical; "nearest": round to nearest even.
+      seed: an int seeding the stochastic rounding.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, mpjax
+      >>> tx = mpjax.low_precision_state(optax.adamw(1e-3))
+      >>> params = {"w": jnp.ones((3,))}
+      >>> state = tx.init(params)
+      >>> state.inner_state[0].mu["w"].dtype
+      dtype(bfloat16)
+      >>> updates, state = tx.update({"w": jnp.ones((3,))}, state, params)
+    """
+    if rounding not in _ROUNDINGS:
+        raise ValueError(
+            f"low_precision_state: rounding must be one of {_ROUNDINGS}, got {rounding!r}"
+        )
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"low_precision_state: dtype must be a floating dtype, got {dtype}")
+    if rounding == "stochastic" and dtype != jnp.bfloat16:
+        raise ValueError(
+            f"low_precision_state: stochastic rounding is implemented for bfloat16, got "
+            f"dtype={dtype}; use rounding='nearest'"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"low_precision_state: seed must be an int, got {type(seed).__name__}")
+    inner = optax.with_extra_args_support(inner)
+
+    def narrow(tree, count):
+        leaves, treedef = jax.tree.flatten(tree)
+        out = []
+        for i, x in enumerate(leaves):
+            if not _narrows(x, dtype):
+                out.append(x)
+            elif rounding == "nearest":
+                out.append(x.astype(dtype))
+            else:
+                out.append(stochastic_round(x.astype(jnp.float32), _leaf_seed(seed, count, i)))
+        return jax.tree.unflatten(treedef, out)
+
+    def widen(tree, reference):
+        return jax.tree.map(
+            lambda x, r: x.astype(r.dtype) if _narrows(r, dtype) else x, tree, reference
+        )
+
+    def init_fn(params):
+        count = jnp.zeros((), jnp.int32)
+        return LowPrecisionState(narrow(inner.init(params), count), count)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if not isinstance(state, LowPrecisionState):
+            raise TypeError(
+                "low_precision_state: state must be a LowPrecisionState, got "
+                f"{type(state).__name__}"
+            )
+        reference = jax.eval_shape(inner.init, updates if params is None else params)
+        wide = widen(state.inner_state, reference)
+        updates, new_inner = inner.update(updates, wide, params, **extra_args)
+        return updates, LowPrecisionState(narrow(new_inner, state.count), state.count + 1)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,110 @@
+"""The master weights of `loss_scaled`: kept in float32, as int16 remainders, or not at all.
+
+A master leaf is `optax.MaskedNode()` (no master: the param itself, widened, is the
+master), a float32 (or float64) array (the master), or, with
+`master_weights="remainder"`, an int16 array: the low half of the float32 master of a
+bfloat16 param (see `remainder.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpjax._src.core.dtypes import is_floating as _is_floating
+from mpjax._src.core.dtypes import wide_dtype as _wide_dtype
+from mpjax._src.scaling.remainder import join_master, split_master
+
+__all__ = ["master_params"]
+
+_MASKED = optax.MaskedNode
+MASTER_MODES = ("auto", True, False, "remainder")
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, _MASKED)
+
+
+def _is_remainder(m: Any) -> bool:
+    return not _is_masked(m) and m.dtype == jnp.int16
+
+
+def _wide(x: jax.Array) -> jax.Array:
+    wide = _wide_dtype(x.dtype)
+    return x if x.dtype == wide else x.astype(wide)
+
+
+def _keeps_master(p: Any, master_weights: bool | str) -> bool:
+    if not _is_floating(p):
+        return False
+    if master_weights in ("auto", "remainder"):
+        return jnp.dtype(p.dtype).itemsize < 4
+    return bool(master_weights)
+
+
+def init_master(p: Any, master_weights: bool | str) -> Any:
+    """The master leaf of param `p`: a remainder, a float32 copy, or `MaskedNode()`."""
+    if not _keeps_master(p, master_weights):
+        return _MASKED()
+    if master_weights == "remainder" and p.dtype == jnp.bfloat16:
+        return split_master(p.astype(jnp.float32))[1]  # zeros: a bf16 value is exact
+    # Copy, so that a master never aliases a float32 param buffer.
+    return jnp.array(_wide(p), copy=True)
+
+
+def view(params: Any, master: Any) -> Any:
+    """The float32 view the inner optimizer works on; non-floating leaves are masked."""
+
+    def one(p, m):
+        if not _is_floating(p):
+            return _MASKED()
+        if _is_masked(m):
+            return _wide(p)
+        return join_master(p, m) if _is_remainder(m) else m
+
+    return jax.tree.map(one, params, master)
+
+
+def rounded(p: Any, m: Any, value: jax.Array) -> jax.Array:
+    """A new wide value rounded to the param's dtype (the remainder's rule for remainders)."""
+    return split_master(value)[0] if _is_remainder(m) else value.astype(p.dtype)
+
+
+def next_master(ok: jax.Array, m: Any, value: jax.Array) -> Any:
+    """The master leaf after a step: the new value where `ok`, else the old leaf."""
+    if _is_masked(m):
+        return m
+    new = split_master(value)[1] if _is_remainder(m) else value
+    return jnp.where(ok, new, m)
+
+
+def master_params(opt_state: Any, params: Any) -> Any:
+    """The float32 master weights of `params`, whatever `loss_scaled`'s `master_weights` mode.
+
+    The master where one is kept (rebuilt bit for bit from the bfloat16 param and its
+    remainder with `master_weights="remainder"`), the param widened to float32 where not;
+    non-floating leaves pass through. For evaluation in float32, export and tests.
+
+    Args:
+      opt_state: an optimizer state holding a `loss_scaled` state anywhere.
+      params: the params that state belongs to (the ones `tx.update` was last given,
+        updated).
+
+    Returns:
+      A pytree like `params`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, mpjax
+      >>> params = {"w": jnp.ones((2,), jnp.bfloat16)}
+      >>> tx = mpjax.loss_scaled(optax.sgd(1e-3), master_weights="remainder")
+      >>> mpjax.master_params(tx.init(params), params)["w"].dtype
+      dtype('float32')
+    """
+    from mpjax._src.scaling.state_helpers import find_loss_scaled_state
+
+    master = find_loss_scaled_state(opt_state).master
+    views = view(params, master)
+    return jax.tree.map(lambda p, v: p if _is_masked(v) else v, params, views)
