@@ -55,9 +55,8 @@ from mpjax.scaling import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULTS",
-    "NO_DEFAULTS",
     "ConditionalFP32",
+    "DEFAULTS",
     "Defaults",
     "DynamicLossScale",
     "FoldReport",
@@ -65,6 +64,7 @@ __all__ = [
     "InferenceModel",
     "LossScale",
     "LossScaledState",
+    "NO_DEFAULTS",
     "NoOpLossScale",
     "OpLists",
     "Policy",

@@ -8,8 +8,8 @@ from mpjax._src.inference.convert import (
 from mpjax._src.inference.trace import FoldReport
 
 __all__ = [
-    "convert_for_inference",
-    "fold_batchnorm_params",
     "FoldReport",
     "InferenceModel",
+    "convert_for_inference",
+    "fold_batchnorm_params",
 ]

@@ -12,13 +12,13 @@ from mpjax._src.kernels.unscale import (
 
 __all__ = [
     "ACTIVATIONS",
+    "IMPLS",
     "all_finite_unscaled",
     "channel_stats",
     "channel_stats_reference",
     "conv_epilogue",
     "conv_epilogue_reference",
     "dispatch",
-    "IMPLS",
     "unscale_and_check",
     "xla_all_finite_unscaled",
     "xla_unscale_and_check",
