@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import json
 import os
 import platform
 import re
@@ -23,6 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -176,7 +178,7 @@ def machine_info() -> dict[str, Any]:
         load = []
     devices = jax.devices()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu_count": os.cpu_count(),
         "usable_cpus": usable,
         "load_average": load,
@@ -245,6 +247,14 @@ def format_markdown(result: Mapping[str, Any]) -> str:
     if notes:
         lines += ["", notes]
     return "\n".join(lines)
+
+
+def emit(result: Mapping[str, Any], json_path: str | None) -> Mapping[str, Any]:
+    """Prints `result` as a text table and, if `json_path` is given, writes it there as JSON."""
+    print(format_text(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1, default=str))
+    return result
 
 
 def format_text(result: Mapping[str, Any]) -> str:

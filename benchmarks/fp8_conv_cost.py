@@ -33,7 +33,7 @@ import jax  # noqa: E402
 
 import mpjax  # noqa: E402
 from benchmarks import gpu_cost_model as gcm  # noqa: E402
-from benchmarks.common import format_text  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
 from benchmarks.train_variants import (  # noqa: E402
     ONE_STRING,
     RESNET_VARIANTS,
@@ -138,10 +138,7 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"--variants: unknown {unknown}; known {sorted(FP8_CONV_VARIANTS)}")
     result = measure(wanted, args.quick)
-    print(format_text(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

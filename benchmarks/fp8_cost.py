@@ -39,7 +39,7 @@ from flax.linen import fp8_ops  # noqa: E402
 
 import mpjax  # noqa: E402
 from benchmarks import gpu_cost_model as gcm  # noqa: E402
-from benchmarks.common import format_text  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
 from benchmarks.train_variants import (  # noqa: E402
     LM_VARIANTS,
     ONE_STRING,
@@ -218,10 +218,7 @@ def main(argv=None) -> dict:
         parser.error(f"--variants: unknown {unknown}; known {sorted(FP8_VARIANTS)}")
     widths = ("gpt2", "wide") if args.width == "all" else (args.width,)
     result = measure(widths, wanted, args.quick)
-    print(format_text(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

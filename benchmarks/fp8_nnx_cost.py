@@ -20,7 +20,6 @@ counted analytically) that run with fp8 operands.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -35,9 +34,9 @@ from flax import nnx  # noqa: E402
 
 import mpjax  # noqa: E402
 from benchmarks import gpu_cost_model as gcm  # noqa: E402
-from benchmarks import hlo_cost  # noqa: E402
-from benchmarks.common import format_text  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
 from benchmarks.train_models import LM_SIZES, VOCAB  # noqa: E402
+from mpjax._src.analysis import hlo_cost  # noqa: E402
 from mpjax.fp8 import Fp8Meta, update_nnx_fp8_meta  # noqa: E402
 
 REQUIRES_GPU = False  # compiles for a GPU; runs without one
@@ -173,10 +172,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     widths = ("gpt2", "wide") if args.width == "all" else (args.width,)
     result = measure(widths, args.quick)
-    print(format_text(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

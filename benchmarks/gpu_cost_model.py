@@ -2,7 +2,7 @@
 
 For each model (ResNet-50 and a GPT-2-small-like LM, `benchmarks/train_models.py`) and each
 precision variant (`benchmarks/train_variants.py`), the jitted train step (state donated) is
-compiled deviceless for `benchmarks/h100.txtpb` and its optimized HLO is read by
+compiled deviceless for `mpjax/_src/analysis/h100.txtpb` and its optimized HLO is read by
 `benchmarks/hlo_cost.py`: temp memory (XLA's buffer assignment, `memory_analysis()`), kernels
 by kind, GEMM and convolution FLOPs by operand dtype, converts, bytes accessed and a crude
 roofline (per kernel max(FLOPs / peak, bytes / HBM bandwidth), summed; H100 SXM peaks in
@@ -33,14 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from benchmarks import hlo_cost  # noqa: E402
-from benchmarks.common import Skip, format_text  # noqa: E402
+from benchmarks.common import Skip, emit  # noqa: E402
 from benchmarks.train_models import LM_SIZES, RESNET_SIZES, VOCAB  # noqa: E402
 from benchmarks.train_variants import VARIANTS  # noqa: E402
+from mpjax._src.analysis import hlo_cost  # noqa: E402
+from mpjax._src.analysis.target import H100_TARGET, compile_step, h100_sharding  # noqa: E402,F401
 
 REQUIRES_GPU = False  # compiles for a GPU; runs without one
 TIMEOUT_SCALE = 4  # 16 compiles of full train steps: ~10 min on 2 cores (benchmarks/run.py)
-TARGET = Path(__file__).resolve().parent / "h100.txtpb"
+TARGET = H100_TARGET
 ENV_PYTHON = "MPJAX_GPU_AOT_PYTHON"
 ANCHOR = "bf16"
 GIB = 2**30
@@ -61,22 +62,6 @@ COLUMNS = [
     "converts",
     "convert kernels",
 ]
-
-
-def h100_sharding():
-    """The single-device sharding of a deviceless H100 (raises if the plugin is missing)."""
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=TARGET.read_text(), topology="1x1x1"
-    )
-    return jax.sharding.SingleDeviceSharding(topology.devices[0])
-
-
-def compile_step(step, args, sharding, donate_argnums=(0,)):
-    """`jax.jit(step)` compiled for the deviceless target on abstract `args`."""
-    placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), args)
-    return jax.jit(step, donate_argnums=donate_argnums).trace(*placed).lower().compile()
 
 
 def program_config(model: str, quick: bool, width: str = "gpt2") -> dict:
@@ -188,7 +173,8 @@ def result_dict(results: list, quick: bool, width: str = "gpt2") -> dict:
         "columns": COLUMNS,
         "rows": table_rows(results),
         "notes": (
-            f"jax {jax.__version__}, XLA:GPU for benchmarks/h100.txtpb, default compile options; "
+            f"jax {jax.__version__}, XLA:GPU for mpjax/_src/analysis/h100.txtpb, default compile "
+            "options; "
             f"train step jitted with its state donated. Sizes: {sizes}. Anchor: '{ANCHOR}' "
             "(hand-written Flax dtype=bfloat16, param_dtype=float32). Roofline: per kernel "
             "max(tensor FLOPs / peak(dtype) + other FLOPs / 67 TFLOP/s, bytes / 3.35 TB/s), "
@@ -263,10 +249,7 @@ def main(argv=None) -> dict:
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"gpu_cost_model: deviceless CUDA compile unavailable: {e}") from None
     result = result_dict(measure_all(models, wanted or None, args.quick, args.width), args.quick)
-    print(format_text(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ jaxlib, installed with `--no-deps`; keep them out of a CPU-only environment) and
 
 Each optimizer step (update + apply_updates, gradients given) of a 120-leaf model is compiled
 with `jax.jit(...).trace(...).lower().compile()` for the target described by
-`benchmarks/h100.txtpb`, and read by the GPU cost model's HLO analysis (`benchmarks/hlo_cost.py`,
+`mpjax/_src/analysis/h100.txtpb`, and read by the GPU cost model's HLO analysis
+(`mpjax/_src/analysis/hlo_cost.py`,
 the same as `benchmarks/gpu_cost_model.py`): kernels, bytes accessed, temp memory and roofline.
 The full fp16 train step of `benchmarks/step_overhead.py`'s MLP (60 Dense layers, float32
 params, float16 compute, donated) is compiled the same way for the bare optax step, mpjax's
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from pathlib import Path
@@ -38,7 +38,7 @@ import optax  # noqa: E402
 
 import mpjax  # noqa: E402
 from benchmarks import step_overhead  # noqa: E402
-from benchmarks.common import format_text  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
 from benchmarks.gpu_cost_model import (  # noqa: E402
     compile_step,
     delegate_to_gpu_aot,
@@ -233,7 +233,7 @@ def run(quick: bool = False) -> dict:
         "notes": (
             f"{n_leaves}-leaf model ({n_blocks} blocks of a {width}x{width} kernel, bias, norm "
             "scale and bias); one optimizer step with gradients given (jit, params and state "
-            "donated), compiled deviceless for benchmarks/h100.txtpb with jax "
+            "donated), compiled deviceless for mpjax/_src/analysis/h100.txtpb with jax "
             f"{jax.__version__}, read by benchmarks/hlo_cost.py (kernels: every fusion, custom "
             "call and unfused op the program launches; bytes: operands + result per kernel). "
             "Targets for the loss-scaled step: <= 1.15x the bare step's bytes and <= 130 "
@@ -254,10 +254,7 @@ def main(argv=None) -> dict:
     if not plugin_available():
         raise SystemExit("kernel_count: deviceless CUDA compile unavailable (no jax CUDA plugin)")
     result = run(quick=args.quick)
-    print(format_text(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    return result
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -316,9 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         machine["load_average_end"] = []
-    machine["finished"] = datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y-%m-%d %H:%M UTC"
-    )
+    machine["finished"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
     from benchmarks.common import format_text
 

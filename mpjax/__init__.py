@@ -1,6 +1,12 @@
-"""mpjax: mixed-precision training for JAX and Flax."""
+"""mpjax: mixed-precision training for JAX and Flax.
+
+The public API is this module and its submodules `mpjax.policy`, `mpjax.scaling`, `mpjax.fp8`,
+`mpjax.pallas`, `mpjax.nn`, `mpjax.inference` and `mpjax.export`; everything under
+`mpjax._src` is private and may move between releases.
+"""
 
 from mpjax import fp8, inference, nn, pallas, policy, scaling
+from mpjax._src.flax import serialization as _serialization  # noqa: F401 (registers checkpoints)
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
@@ -46,9 +52,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULTS",
+    "NO_DEFAULTS",
     "ConditionalFP32",
     "Defaults",
-    "NO_DEFAULTS",
     "DynamicLossScale",
     "FoldReport",
     "Fp8Recipe",
@@ -65,14 +71,17 @@ __all__ = [
     "autocast",
     "cast_to_full",
     "cast_to_half",
-    "half_dtype",
     "convert_for_inference",
+    "default_max_consecutive_skips",
     "find_loss_scaled_state",
     "fp8",
     "get_loss_scale",
     "get_policy",
+    "half_dtype",
     "inference",
     "keep_if_skipped",
+    "loss_scale_for",
+    "loss_scale_from_flax",
     "loss_scaled",
     "nn",
     "nonfinite_report",
@@ -80,14 +89,10 @@ __all__ = [
     "policy",
     "raise_if_diverged",
     "restore_if_skipped",
-    "snapshot_state",
     "scale_loss",
     "scaling",
     "scaling_metrics",
     "select_tree",
-    # config-driven precision, Flax DynamicScale migration
-    "default_max_consecutive_skips",
-    "loss_scale_for",
-    "loss_scale_from_flax",
+    "snapshot_state",
     "with_loss_scale",
 ]

@@ -1,85 +1,154 @@
-"""No import cycle among mpjax's modules; `mpjax.pallas` does not import `mpjax.scaling` at all."""
+"""mpjax's layers: each `mpjax._src` package imports only its own layer and the layers below it.
+
+Bottom to top (CONTRIBUTING.md): `core` (the policy value type, dtype helpers; no Flax);
+`fp8` (quantisation and the fp8 `dot_general`, pure JAX), `kernels` (Pallas) and `analysis`
+(HLO reading, deviceless targets), side by side and independent; `autocast` (the jaxpr rewrite,
+its op lists and fp8 hook); `scaling` (loss scales, `loss_scaled`); `flax` (the only layer that
+imports Flax: linen/NNX policies, delayed-fp8 modules, model state, `ConvBN`); `inference`.
+The public modules (`mpjax`, `mpjax.policy`, ...) sit on top and only re-export; nothing under
+`mpjax._src` imports them.
+"""
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "mpjax"
+LAYERS = {
+    "core": 0,
+    "fp8": 1,
+    "kernels": 1,
+    "analysis": 1,
+    "autocast": 2,
+    "scaling": 3,
+    "flax": 4,
+    "inference": 5,
+}
+FLAX_LAYERS = {"flax", "inference"}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, modules: set) -> set:
-    """mpjax modules that `path` imports, at any depth of its code (lazy imports included)."""
+def _imports(path: Path) -> set:
+    """Absolute module names `path` imports, at any depth of its code (lazy imports included)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
-            if name in modules:
-                out.add(name)
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
     return out
 
 
-def _graph() -> dict:
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {m: _imports(p, set(files)) for m, p in files.items()}
+def import_graph(root: Path) -> dict:
+    """Module name -> the names it imports, for every module of the `mpjax` package under `root`."""
+    return {_module_name(p, root): _imports(p) for p in (root / "mpjax").rglob("*.py")}
 
 
-def _cycle(graph: dict, nodes: set) -> list | None:
-    """A cycle of the graph restricted to `nodes`, or None."""
+def layer_of(module: str) -> str | None:
+    """The `_src` layer of a module name (`mpjax._src.flax.nnx` -> "flax"), None outside `_src`."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["mpjax", "_src"] else None
+
+
+def violations(graph: dict) -> list[str]:
+    """Every import that breaks the layering rule, as readable lines."""
+    modules = set(graph)
+    out = []
+    for module, names in sorted(graph.items()):
+        layer = layer_of(module)
+        if layer is None:
+            continue
+        if layer not in LAYERS:
+            out.append(f"{module}: layer {layer!r} is not in LAYERS")
+            continue
+        for name in sorted(names):
+            if name.split(".")[0] == "flax" and layer not in FLAX_LAYERS:
+                out.append(f"{module} imports {name}: only {sorted(FLAX_LAYERS)} import Flax")
+            if name not in modules and name.rsplit(".", 1)[0] not in modules:
+                continue
+            target = layer_of(name)
+            if target is None:
+                out.append(f"{module} imports the public module {name}")
+            elif target != layer and LAYERS.get(target, 99) >= LAYERS[layer]:
+                out.append(f"{module} ({layer}) imports {name} ({target}): not a layer below")
+    return out
+
+
+def package_cycle(graph: dict) -> list | None:
+    """A cycle between `_src` layers, or None."""
+    edges = {layer: set() for layer in LAYERS}
+    for module, names in graph.items():
+        src = layer_of(module)
+        for name in names:
+            dst = layer_of(name)
+            if src in edges and dst in edges and dst != src:
+                edges[src].add(dst)
     state = {}
 
-    def visit(m, path):
-        state[m] = "open"
-        for n in sorted(graph[m] & nodes):
-            if state.get(n) == "open":
-                return path[path.index(n) :] + [n]
-            if n not in state and (found := visit(n, path + [n])):
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
                 return found
-        state[m] = "done"
+        state[node] = "done"
         return None
 
-    for m in sorted(nodes):
-        if m not in state and (found := visit(m, [m])):
+    for node in sorted(edges):
+        if node not in state and (found := visit(node, [node])):
             return found
     return None
 
 
-def _in(package: str, module: str) -> bool:
-    return module == package or module.startswith(package + ".")
+def test_every_src_package_is_a_known_layer():
+    found = {p.name for p in (ROOT / "mpjax" / "_src").iterdir() if (p / "__init__.py").exists()}
+    assert found == set(LAYERS)
 
 
-def test_no_cycle_between_pallas_and_scaling():
-    graph = _graph()
-    # Package __init__ files re-export their submodules; the cycle that matters is between
-    # the modules that hold code.
-    nodes = {m for m in graph if _in("mpjax.pallas", m) or _in("mpjax.scaling", m)}
-    nodes.add("mpjax._dtypes")
-    assert _cycle(graph, nodes) is None
+def test_no_upward_or_public_import_and_flax_only_in_the_flax_layers():
+    assert violations(import_graph(ROOT)) == []
 
 
-def test_pallas_does_not_import_scaling():
-    graph = _graph()
-    offenders = {
-        m: sorted(i for i in imps if _in("mpjax.scaling", i))
-        for m, imps in graph.items()
-        if _in("mpjax.pallas", m)
-    }
-    assert not {m: i for m, i in offenders.items() if i}
+def test_no_cycle_between_layers():
+    assert package_cycle(import_graph(ROOT)) is None
 
 
 @pytest.mark.parametrize(
-    "graph,cyclic",
-    [({"a": {"b"}, "b": {"a"}}, True), ({"a": {"b"}, "b": set()}, False)],
+    "module,line,expected",
+    [
+        ("core/policy.py", "from mpjax._src.flax import apply", "not a layer below"),
+        ("fp8/dot.py", "from mpjax._src.kernels import common", "not a layer below"),
+        ("scaling/checks.py", "import flax.linen", "only ['flax', 'inference'] import Flax"),
+        ("autocast/rules.py", "from mpjax.policy import Policy", "imports the public module"),
+        ("kernels/stats.py", "    from mpjax._src.autocast import autocast", "not a layer below"),
+    ],
 )
-def test_cycle_finder_finds_cycles(graph, cyclic):
-    assert (_cycle(graph, set(graph)) is not None) == cyclic
+def test_an_added_bad_import_is_reported(tmp_path, module, line, expected):
+    """The checker on a copy of the package with one bad import added (indented: a lazy one)."""
+    shutil.copytree(ROOT / "mpjax", tmp_path / "mpjax")
+    path = tmp_path / "mpjax" / "_src" / module
+    text = path.read_text()
+    if line.startswith(" "):
+        text += f"\n\ndef _lazy():\n{line}\n"
+    else:
+        text = f"{line}\n{text}"
+    path.write_text(text)
+    found = violations(import_graph(tmp_path))
+    culprit = "mpjax._src." + module[: -len(".py")].replace("/", ".")
+    assert found and all(f.startswith(culprit) and expected in f for f in found), found
+
+
+def test_a_cycle_between_layers_is_found():
+    graph = {
+        "mpjax._src.core.a": {"mpjax._src.fp8.b"},
+        "mpjax._src.fp8.b": {"mpjax._src.core.a"},
+    }
+    assert package_cycle(graph) == ["core", "fp8", "core"]

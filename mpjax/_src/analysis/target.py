@@ -1,0 +1,40 @@
+"""Deviceless XLA:GPU targets: compile a program for H100s on a machine without a GPU.
+
+Needs the `gpu-aot` extra (the CUDA plugin wheels, installed `--no-deps`) and
+`JAX_PLATFORMS=cpu`; the target description is the one shipped with mpjax (`h100.txtpb`:
+compute capability 9.0, 132 SMs, shared memory, registers, L2, bandwidth of an H100 SXM).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+
+__all__ = ["H100_TARGET", "compile_step", "h100_sharding", "h100_topology"]
+
+H100_TARGET = Path(__file__).resolve().parent / "h100.txtpb"
+
+
+def h100_topology(topology: str = "1x1x1") -> Any:
+    """The deviceless H100 topology (`"1x1x1"`, `"1x1x8"`, `"2x1x4"`: hosts x ? x GPUs).
+
+    Raises whatever JAX raises when the CUDA plugin is not installed.
+    """
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(
+        platform="cuda", target_config=H100_TARGET.read_text(), topology=topology
+    )
+
+
+def h100_sharding() -> jax.sharding.Sharding:
+    """The single-device sharding of a deviceless H100 (raises if the plugin is missing)."""
+    return jax.sharding.SingleDeviceSharding(h100_topology().devices[0])
+
+
+def compile_step(step, args, sharding, donate_argnums=(0,)):
+    """`jax.jit(step)` compiled for the deviceless target on abstract `args`."""
+    placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), args)
+    return jax.jit(step, donate_argnums=donate_argnums).trace(*placed).lower().compile()

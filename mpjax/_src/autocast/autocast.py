@@ -1,0 +1,451 @@
+"""`autocast`: rewrites a JAX function at the jaxpr level to run in mixed precision.
+
+Like `torch.autocast`, but as a function transformation: the function is traced to a jaxpr
+and re-evaluated equation by equation, each primitive rebound with operands cast by the
+rules of an `OpLists`:
+
+* `lower_precision` ops (`dot_general`, `conv_general_dilated`) take compute-dtype operands
+  and return the compute dtype, accumulating in float32 (the backends' low-precision GEMMs
+  and convolutions accumulate in float32; see `lower_precision_op`);
+* a compute-dtype value normalised by broadcast float32 statistics (BatchNorm, LayerNorm)
+  is computed in float32 and counts as the compute dtype (see `_continues_narrow`); rows
+  gathered from a floating argument (an embedding table) are gathered in the compute dtype;
+* `fp32` ops (exp, log, rsqrt, reductions, ...) run in float32;
+* every other op runs in the widest dtype of its floating inputs; scalar literals and values
+  computed from literals alone adapt to their partner (like JAX's weak types);
+* integer and boolean values are never cast;
+* constants (literals, captured arrays and values computed from them alone) saturate when
+  cast to a narrower dtype: `jnp.finfo(jnp.float32).min` becomes the most negative finite
+  bfloat16/float16, not -inf. Values computed from the inputs overflow to inf as IEEE casts
+  do (torch.autocast does the same), so an fp16 overflow stays visible to loss scaling.
+
+Higher-order primitives are rewritten recursively (see `_rules`). The function's floating
+outputs leave in the policy's `output_dtype`; its inputs are not cast (parameters stay in the
+dtype they are given in, so gradients reach float32 parameters in float32).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import source_info_util
+from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
+
+from mpjax._src.autocast.fp8_hook import (
+    check_autocast_recipe,
+    evaluate_chain,
+    fp8_chains,
+    fp8_lower,
+    requantised_lhs,
+)
+from mpjax._src.autocast.op_lists import OpLists
+from mpjax._src.autocast.rules import (
+    ARG,
+    FLEX,
+    HIGHER_ORDER_RULES,
+    LOW,
+    NARROW,
+    STRONG,
+    cast,
+    dtype_of,
+    is_float,
+    widest,
+)
+from mpjax._src.core.policy import Policy, as_float_dtype, get_policy
+from mpjax._src.fp8.recipe import Fp8Recipe
+
+__all__ = ["autocast"]
+
+DEFAULT_AUTOCAST_POLICY = "params=float32,compute=bfloat16,output=float32"
+
+_FULL = np.dtype(np.float32)
+
+# Bilinear ops whose low-precision form gets a custom JVP (see `lower_precision_op`).
+_BILINEAR = frozenset({"dot_general", "conv_general_dilated"})
+
+# The accumulation dtype that low-precision (bf16/fp16) GEMMs and convolutions get without
+# asking: cuBLAS/Triton GEMMs and cuDNN convolutions on XLA:GPU, the TPU MXU and XLA:CPU
+# (which upcasts) all accumulate in float32 and round the result once. Autocast binds them
+# with a compute-dtype result, as Flax's `Dense(dtype=bfloat16)` and torch.autocast do.
+# Asking explicitly (`preferred_element_type=float32`, then a convert) costs on XLA:GPU: a
+# convolution becomes a float32 cuDNN convolution on converted operands, and a GEMM writes
+# a float32 result that a separate pass converts (GPT-2 train step on the H100 cost model:
+# 1.021x the roofline of the Flax bf16 model, 0.4 ms of it in the q/k/v bias adds).
+_IMPLICIT_ACCUMULATION = np.dtype(np.float32)
+
+# Elementwise ops that continue a normalisation (see `_continues_narrow`).
+_NARROW_CHAIN = frozenset(
+    {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "integer_pow"}
+)
+
+# First-order primitives bound with the operand dtypes they were traced with.
+_OPAQUE = frozenset(
+    {"bitcast_convert_type", "pure_callback", "io_callback", "debug_callback", "ffi_call"}
+)
+
+
+class _Ctx(NamedTuple):
+    compute: np.dtype
+    accum: np.dtype | None
+    lists: OpLists
+    fp8: Fp8Recipe | None = None
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+
+def _eval_jaxpr(
+    ctx: _Ctx, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], origins: Sequence[int]
+) -> tuple[list[Any], list[int]]:
+    """Evaluates `jaxpr` under autocast rules; returns the outputs and their origins.
+
+    An origin tags each value: `STRONG` (an ordinary value), `FLEX` (computed from literals
+    only, so it adopts the dtype of the values it meets, like a JAX weak type) or `LOW` (the
+    direct output of a lower-precision op, whose bias add may stay in the compute dtype).
+    """
+    env: dict[Any, tuple[Any, int]] = {}
+    casts: dict[tuple[Any, np.dtype], Any] = {}  # a variable is cast to a dtype once
+    constant = set(jaxpr.constvars)  # variables computed from constants alone
+    # fp8: the equation producing each variable (an fp8 GEMM input's pointwise chain), and
+    # the chains only an fp8 GEMM reads, evaluated at that GEMM (see mpjax/fp8/recompute).
+    producers = {} if ctx.fp8 is None else {v: e for e in jaxpr.eqns for v in e.outvars}
+    chains = fp8_chains(ctx, jaxpr)
+    deferred = {id(e) for chain in chains.values() for e in chain}
+
+    def read(atom):
+        if isinstance(atom, Literal):
+            return np.asarray(atom.val, atom.aval.dtype), FLEX
+        return env[atom]
+
+    def write(var, val, origin):
+        if not isinstance(var, DropVar):
+            env[var] = (val, origin)
+
+    for var, val in zip(jaxpr.constvars, consts, strict=True):
+        write(var, val, FLEX if np.ndim(val) == 0 else STRONG)
+    for var, val, origin in zip(jaxpr.invars, args, origins, strict=True):
+        write(var, val, origin)
+    for eqn in jaxpr.eqns:
+        if id(eqn) in deferred:
+            continue
+        if id(eqn) in chains:
+            evaluate_chain(_eval_jaxpr, ctx, chains[id(eqn)], eqn.invars[0], env)
+        vals, flags = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
+
+        def cast_in(i, dtype, eqn=eqn, vals=vals, flags=flags):
+            atom, val = eqn.invars[i], vals[i]
+            # A constant saturates: it must not change value by more than rounding.
+            fixed = flags[i] == FLEX or isinstance(atom, Literal) or atom in constant
+            if isinstance(atom, Literal) or dtype_of(val) == dtype:
+                return cast(val, dtype, saturate=fixed)
+            if (atom, dtype) not in casts:
+                casts[atom, dtype] = cast(val, dtype, saturate=fixed)
+            return casts[atom, dtype]
+
+        # Re-bind under the equation's own name stack and traceback, so the emitted ops
+        # carry the traced function's names (module paths) into the HLO metadata.
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with (
+            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+            eqn.ctx.manager,
+        ):
+            rule = HIGHER_ORDER_RULES.get(eqn.primitive.name)
+            if rule is not None:
+                outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
+            else:
+                requant = (
+                    functools.partial(requantised_lhs, eqn, producers, env) if producers else None
+                )
+                outs, out_origins = _first_order(
+                    ctx, eqn, list(vals), list(flags), cast_in, requant
+                )
+        for var, val, origin in zip(eqn.outvars, outs, out_origins, strict=True):
+            write(var, val, origin)
+        if all(isinstance(a, Literal) or a in constant for a in eqn.invars):
+            constant.update(eqn.outvars)
+    results = [read(v) for v in jaxpr.outvars]
+    return [r[0] for r in results], [r[1] for r in results]
+
+
+def _size(x: Any) -> int:
+    return math.prod(np.shape(x))
+
+
+def _first_order(
+    ctx: _Ctx, eqn, vals: list, origins: list, cast_in, requant=None
+) -> tuple[list, list]:
+    """Binds a first-order primitive with operands cast by its category.
+
+    `cast_in(i, dtype)` returns operand `i` cast to `dtype` (cached per variable);
+    `requant()` the float32 recomputation of an fp8 GEMM's left operand (or None).
+    """
+    prim, params = eqn.primitive, eqn.params
+    name = prim.name
+    floats = [i for i, v in enumerate(vals) if is_float(dtype_of(v))]
+    strong = [i for i in floats if origins[i] != FLEX]
+    out_origin = FLEX if vals and all(o == FLEX for o in origins) else STRONG
+    category = ctx.lists.category(name, params) if floats else None
+
+    if category == "lower":
+        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
+        if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
+            return fp8_outs, [LOW] * len(fp8_outs)
+        vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
+        outs = lower_precision_op(ctx, prim, params, vals)
+        return outs, [LOW] * len(outs)
+    if category == "fp32":
+        dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
+        target = widest([_FULL, *dtypes])
+        vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
+    elif name in _OPAQUE or any(True for _ in jaxprs_in_params(params)):
+        vals = [cast_in(i, var.aval.dtype) for i, var in enumerate(eqn.invars)]
+        out_origin = STRONG
+    elif name == "gather" and origins[0] == ARG and 0 in floats:
+        # Rows of a floating argument (an embedding table) are gathered in the compute
+        # dtype, as Flax's `Embed(dtype=...)` does: the activations start narrow, and the
+        # gradient scatter runs in the compute dtype.
+        vals = [cast_in(0, ctx.compute), *vals[1:]]
+    elif name == "convert_element_type":
+        pass  # an explicit cast: of the value it is given, at full precision
+    elif not prim.multiple_results and strong:
+        if _is_epilogue(ctx, name, vals, origins, strong):
+            target = ctx.compute
+        elif _continues_narrow(ctx, name, vals, origins, strong):
+            target, out_origin = widest([dtype_of(vals[i]) for i in strong]), NARROW
+        else:
+            # A NARROW value counts as the compute dtype here (cast once, where it ends).
+            target = widest(
+                [ctx.compute if origins[i] == NARROW else dtype_of(vals[i]) for i in strong]
+            )
+        vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
+    # Multiple-result primitives (optimization_barrier, sort, collectives over tuples, ...)
+    # take independent operands: they pass through in the dtypes they arrive in.
+    out = prim.bind(*vals, **params)
+    outs = list(out) if prim.multiple_results else [out]
+    return outs, [out_origin] * len(outs)
+
+
+def _is_epilogue(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
+    """Whether this op is the bias add of a lower-precision op (kept in the compute dtype).
+
+    True for an op in `OpLists.epilogue` that combines the full-size output of a
+    lower-precision op with smaller, broadcast operands (a `Dense`/`Conv` bias): torch's
+    `linear`/`conv` include that add, so it runs in the compute dtype there too.
+    """
+    if name not in ctx.lists.epilogue:
+        return False
+    low = [i for i in strong if origins[i] == LOW]
+    if not low:
+        return False
+    full = max(_size(v) for v in vals)
+    return all(_size(vals[i]) == full for i in low) and all(
+        _size(vals[i]) < full for i in strong if origins[i] != LOW
+    )
+
+
+def _continues_narrow(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
+    """Whether this op is a step of a normalisation (its result is tagged NARROW).
+
+    True for an elementwise op whose one full-size operand is in the compute dtype (or
+    NARROW already) and whose other operands are smaller, broadcast, and wider (float32
+    statistics, scale and bias: `(x - mean) * rsqrt(var + eps) * scale + bias`), or a
+    unary op / a max with a literal (`relu`) of a NARROW value. The op runs in the wider
+    dtype, but its result counts as the compute dtype: it is cast once, where it meets
+    another full-size compute-dtype value or an op that is not such a step (a residual
+    add, a max-pool), so the normalised activations and what follows them stay narrow,
+    as `BatchNorm(dtype=bfloat16)` and torch.autocast's `batch_norm` return the input
+    dtype. Reductions (float32 ops) read the value at full precision. Off with
+    `OpLists(epilogue=frozenset())` (the plain widest rule everywhere).
+    """
+    if name not in _NARROW_CHAIN or not ctx.lists.epilogue:
+        return False
+    full = max(_size(vals[i]) for i in strong)
+    main = [i for i in strong if _size(vals[i]) == full]
+    if len(main) != 1:
+        return False
+    (m,) = main
+    if origins[m] != NARROW and dtype_of(vals[m]) != ctx.compute:
+        return False
+    others = [dtype_of(vals[i]) for i in strong if i != m]
+    return origins[m] == NARROW or any(widest([d, ctx.compute]) != ctx.compute for d in others)
+
+
+def lower_precision_op(ctx: _Ctx, prim, params, vals: list) -> list:
+    """Binds a lower-precision op (dot_general, conv, ...) on compute-dtype operands.
+
+    The one place autocast lowers matmul-like ops. Returns compute-dtype outputs. A float32
+    accumulation (the default) is what the backends' low-precision ops do anyway, so the op
+    is bound with a compute-dtype result (see `_IMPLICIT_ACCUMULATION`). Another
+    accumulation dtype is asked for explicitly: the op is bound with
+    `preferred_element_type=accum` and converted, with a custom JVP whose derivative ops are
+    compute-dtype too.
+    """
+    compute = ctx.compute
+    accumulate = (
+        ctx.accum is not None
+        and ctx.accum != compute
+        and ctx.accum != _IMPLICIT_ACCUMULATION
+        and "preferred_element_type" in params
+    )
+    if not accumulate:
+        if "preferred_element_type" in params:
+            params = dict(params, preferred_element_type=None)
+        out = prim.bind(*vals, **params)
+        outs = list(out) if prim.multiple_results else [out]
+        return [cast(o, compute) for o in outs]
+
+    acc_params = dict(params, preferred_element_type=ctx.accum)
+    low_params = dict(params, preferred_element_type=None)
+
+    def accumulated(*xs):
+        return cast(prim.bind(*xs, **acc_params), compute)
+
+    if prim.name not in _BILINEAR or len(vals) != 2:
+        return [accumulated(*vals)]
+
+    # The output of `accumulated` is a convert of a float32 dot; JAX transposes that convert
+    # into a float32 cotangent, which would make the backward matmuls float32 x bf16. A custom
+    # JVP keeps the derivative in the compute dtype: for a bilinear op,
+    # d(a.b) = da.b + a.db, each term a compute-dtype op of compute-dtype operands.
+    op = jax.custom_jvp(accumulated)
+
+    def jvp(primals, tangents):
+        a, b = primals
+        ta, tb = tangents
+        out = accumulated(a, b)
+        terms = []
+        if not isinstance(ta, jax.custom_derivatives.SymbolicZero):
+            terms.append(prim.bind(cast(ta, compute), b, **low_params))
+        if not isinstance(tb, jax.custom_derivatives.SymbolicZero):
+            terms.append(prim.bind(a, cast(tb, compute), **low_params))
+        if not terms:
+            return out, jnp.zeros_like(out)
+        return out, cast(functools.reduce(lax.add, terms), compute)
+
+    op.defjvp(jvp, symbolic_zeros=True)
+    return [op(*vals)]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def autocast(
+    fun: Callable | None = None,
+    policy: str | Policy = DEFAULT_AUTOCAST_POLICY,
+    *,
+    op_lists: OpLists | None = None,
+    accumulation_dtype: Any = jnp.float32,
+    fp8: Fp8Recipe | None = None,
+) -> Callable:
+    """Returns `fun` rewritten to run in mixed precision, like `torch.autocast`.
+
+    `fun` (any JAX function: a Flax `apply`, a Haiku or Equinox forward, plain `jnp` code) is
+    traced to a jaxpr at each call and re-evaluated with casts: ops in
+    `op_lists.lower_precision` take `policy.compute_dtype` operands, accumulate in
+    `accumulation_dtype` and return the compute dtype; ops in `op_lists.fp32` run in
+    float32; other ops run in the widest dtype of their floating inputs; integers and
+    booleans are never cast. A constant cast to a narrower dtype saturates to its finite
+    range (a `finfo(float32).min` mask stays finite); a value computed from the arguments
+    overflows to inf. It recurses into `jit`, `custom_jvp`, `scan`, `while`, `cond` and
+    `checkpoint`; `custom_vjp` functions keep their own rules and traced dtypes. Array
+    arguments (and their gradients) keep their dtype; other arguments (Python scalars,
+    strings, flags) are static. Floating outputs are cast to `policy.output_dtype`.
+    Composes with `jax.jit`, `jax.grad` and `jax.vmap`. `fun` is traced with
+    `jax.make_jaxpr` at every call, so, as under `jax.jit`, it cannot branch on array
+    values; wrap the result in `jax.jit` to trace once.
+
+    Args:
+      fun: the function; omit it to use `autocast(policy=...)` as a decorator.
+      policy: a `Policy` or spec string; `compute_dtype` and `output_dtype` are used
+        (`param_dtype` is not: arguments are not cast). `output_dtype` applies where values
+        leave `fun`, as it applies at the boundary of the model for `apply_policy`.
+      op_lists: an `OpLists`; defaults to `OpLists()`.
+      accumulation_dtype: the accumulation dtype of lower-precision ops. float32 (the
+        default) is what every XLA backend's bf16/fp16 GEMMs and convolutions do, so the ops
+        are bound with a compute-dtype result (no float32 output to convert); `None` leaves
+        accumulation to the backend (the same binding); another dtype is requested with
+        `preferred_element_type` and the result converted to the compute dtype.
+      fp8: an `Fp8Recipe` (tensorwise or rowwise scaling) to run eligible `dot_general`s
+        as fp8 GEMMs, forward and backward (see `mpjax.fp8.fp8_eligible`), and 1x1
+        convolutions too with `convs="1x1"`; the other lower-precision ops (other
+        convolutions included, see `Fp8Recipe.convs`) keep the compute dtype.
+        `mpjax.fp8.fp8_ops` lists which ops run in fp8. A pointwise chain with a
+        transcendental op (a GELU) that only such a GEMM reads is recomputed in the
+        backward pass instead of keeping its intermediates (`mpjax._src.autocast.fp8_recompute`).
+
+    Returns:
+      A function with `fun`'s signature.
+
+    Raises:
+      TypeError / ValueError: for a non-callable `fun`, a bad policy, `op_lists` or
+        accumulation dtype, naming the culprit.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import autocast
+      >>> f = autocast(lambda x, w: jnp.tanh(x @ w), "p=f32,c=bf16,o=f32")
+      >>> f(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype
+      dtype('float32')
+    """
+    if fun is None:
+        return functools.partial(
+            autocast,
+            policy=policy,
+            op_lists=op_lists,
+            accumulation_dtype=accumulation_dtype,
+            fp8=fp8,
+        )
+    if not callable(fun):
+        raise TypeError(f"autocast: fun must be callable, got {type(fun).__name__}")
+    try:
+        pol = get_policy(policy)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"autocast: bad policy: {e}") from e
+    lists = OpLists() if op_lists is None else op_lists
+    if not isinstance(lists, OpLists):
+        raise TypeError(
+            f"autocast: op_lists must be an mpjax OpLists, got {type(lists).__name__}; "
+            "build one with OpLists(...) or OpLists().with_added(...)"
+        )
+    accum = (
+        None
+        if accumulation_dtype is None
+        else as_float_dtype(accumulation_dtype, "autocast accumulation_dtype")
+    )
+    ctx = _Ctx(pol.compute_dtype, accum, lists, check_autocast_recipe(fp8))
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+        out_tree = []
+
+        def flat_fun(*dyn):
+            full = list(leaves)
+            for i, value in zip(dynamic, dyn, strict=True):
+                full[i] = value
+            a, k = jax.tree.unflatten(treedef, full)
+            out_leaves, tree = jax.tree.flatten(fun(*a, **k))
+            out_tree.append(tree)
+            return out_leaves
+
+        dyn_vals = [leaves[i] for i in dynamic]
+        closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
+        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
+        outs = [cast(o, pol.output_dtype) for o in outs]
+        return jax.tree.unflatten(out_tree[0], outs)
+
+    wrapped.policy = pol
+    wrapped.op_lists = lists
+    return wrapped

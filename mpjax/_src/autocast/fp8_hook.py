@@ -1,0 +1,135 @@
+"""The fp8 branch of `autocast`: which `dot_general`s run as fp8 GEMMs, and the rebinding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+
+from mpjax._src.autocast.fp8_recompute import (
+    chain_roots,
+    exclusive_chains,
+    pointwise_chain,
+    recomputed,
+    reevaluate_f32,
+)
+from mpjax._src.fp8.conv import conv_gemm_site, fp8_conv_1x1
+from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
+from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
+
+__all__ = [
+    "check_autocast_recipe",
+    "evaluate_chain",
+    "fp8_candidate",
+    "fp8_chains",
+    "fp8_lower",
+    "requantised_lhs",
+]
+
+
+def check_autocast_recipe(recipe: Any) -> Fp8Recipe | None:
+    """Validates `autocast`'s `fp8` argument (None, or a current-scaling `Fp8Recipe`)."""
+    if recipe is None:
+        return None
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"autocast: fp8 must be an mpjax Fp8Recipe, got {type(recipe).__name__}")
+    if recipe.scaling == "delayed":
+        raise ValueError(
+            "autocast: Fp8Recipe(scaling='delayed') needs per-tensor amax state, which a "
+            "stateless function rewrite cannot keep; use scaling='tensorwise' or 'rowwise'"
+        )
+    return recipe
+
+
+def fp8_candidate(recipe: Fp8Recipe, eqn) -> bool:
+    """Whether `fp8_lower` takes a `dot_general` equation (judged from its traced shapes)."""
+    if eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
+        return False
+    avals = [v.aval for v in eqn.invars]
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in avals):
+        return False
+    name = str(eqn.source_info.name_stack)
+    site = Fp8Site(name, avals[0].shape, avals[1].shape, eqn.params["dimension_numbers"])
+    return fp8_eligible(recipe, site)
+
+
+def fp8_lower(
+    recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list, lhs_quant: Callable | None = None
+) -> list | None:
+    """The fp8 GEMM for a `dot_general` or 1x1 convolution, or None (compute dtype).
+
+    `vals` are the operands in the dtypes they arrived in (float32 masters are quantised
+    directly, without a compute-dtype copy); the output is in `compute`. `lhs_quant()`, if
+    given, returns a float32 recomputation of the left operand to quantise (or None; see
+    `mpjax._src.autocast.fp8_recompute`).
+    """
+    if eqn.primitive.name not in ("dot_general", "conv_general_dilated") or len(vals) != 2:
+        return None
+    if not all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in vals):
+        return None
+    if eqn.primitive.name == "conv_general_dilated":  # 1x1 convs only (mpjax/fp8/conv.py)
+        name, shapes = str(eqn.source_info.name_stack), (np.shape(vals[0]), np.shape(vals[1]))
+        if conv_gemm_site(recipe, name, *shapes, eqn.params)[0] is None:
+            return None
+        return [fp8_conv_1x1(vals[0], vals[1], eqn.params, recipe, compute)]
+    dims = eqn.params["dimension_numbers"]
+    site = Fp8Site(str(eqn.source_info.name_stack), np.shape(vals[0]), np.shape(vals[1]), dims)
+    if not fp8_eligible(recipe, site):
+        return None
+    quant = None if lhs_quant is None else lhs_quant()
+    return [fp8_dot_general(vals[0], vals[1], dims, recipe, compute, lhs_quant=quant)]
+
+
+def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
+    """{id(fp8 GEMM equation): the pointwise chain only it reads} (see `exclusive_chains`).
+
+    Only GEMMs that `fp8_lower` takes: lower-precision ops under the op lists, eligible
+    under the recipe. Empty without an fp8 recipe.
+    """
+    if ctx.fp8 is None:
+        return {}
+
+    def candidate(eqn):
+        lower = ctx.lists.category(eqn.primitive.name, eqn.params) == "lower"
+        return lower and fp8_candidate(ctx.fp8, eqn)
+
+    return exclusive_chains(jaxpr, candidate)
+
+
+class _Chain(NamedTuple):
+    """A pointwise chain as a sub-jaxpr (the fields autocast's evaluator reads)."""
+
+    constvars: tuple
+    invars: tuple
+    eqns: tuple
+    outvars: tuple
+
+
+def evaluate_chain(evaluate: Callable, ctx: Any, chain: list, out: Any, env: dict) -> None:
+    """Evaluates `chain`, producing an fp8 GEMM's input `out`, into autocast's `env`.
+
+    `evaluate(ctx, jaxpr, consts, args, origins)` is autocast's evaluator; the chain runs
+    under its rules as usual, with a VJP that recomputes it (`recomputed`).
+    """
+    roots = chain_roots(chain)
+    sub = _Chain((), tuple(roots), tuple(chain), (out,))
+    origins = [env[r][1] for r in roots]
+    found = []
+
+    def primal(*vals):
+        outs, out_origins = evaluate(ctx, sub, (), vals, origins)
+        found.append(out_origins[0])
+        return outs[0]
+
+    value = recomputed(primal)(*[env[r][0] for r in roots])
+    env[out] = (value, found[-1])
+
+
+def requantised_lhs(eqn: Any, producers: dict, env: dict) -> Any:
+    """A float32 recomputation of `eqn`'s left operand to quantise (or None)."""
+    lhs = eqn.invars[0]
+    chain = None if isinstance(lhs, Literal) else pointwise_chain(lhs, producers)
+    return None if chain is None else reevaluate_f32(chain, lhs, lambda v: env[v][0])

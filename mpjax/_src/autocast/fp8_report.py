@@ -1,0 +1,90 @@
+"""`fp8_ops`: which GEMMs and convolutions `autocast(fun, fp8=recipe)` runs in fp8, and why not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend.core import jaxprs_in_params
+
+from mpjax._src.fp8.conv import conv_gemm_site, gemm_reason
+from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
+
+__all__ = ["Fp8Op", "fp8_ops"]
+
+# autocast binds these as traced (their own rules), so nothing inside them turns fp8.
+_OWN_RULES = ("custom_vjp_call",)
+
+
+class Fp8Op(NamedTuple):
+    """One `dot_general` or convolution of a function, and what `autocast(fp8=)` does with it.
+
+    Attributes:
+      name: the op's name stack (the Flax module path `exclude` patterns match).
+      primitive: `"dot_general"` or `"conv_general_dilated"`.
+      lhs_shape: the left operand's (input's) shape.
+      rhs_shape: the right operand's (kernel's) shape.
+      fp8: whether it runs as an fp8 GEMM (forward and both gradients).
+      reason: why it keeps the compute dtype (empty when `fp8`).
+    """
+
+    name: str
+    primitive: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    fp8: bool
+    reason: str
+
+
+def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        if prim in ("dot_general", "conv_general_dilated"):
+            lhs, rhs = (tuple(np.shape(v.aval)) for v in eqn.invars[:2])
+            floats = all(jax.numpy.issubdtype(v.aval.dtype, np.floating) for v in eqn.invars)
+            name = str(eqn.source_info.name_stack)
+            if not floats:
+                reason = "integer operands: not cast"
+            elif prim == "dot_general":
+                dims = eqn.params["dimension_numbers"]
+                reason = gemm_reason(recipe, Fp8Site(name, lhs, rhs, dims)) or ""
+            else:
+                reason = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)[1] or ""
+            found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason))
+        if prim not in _OWN_RULES:
+            for sub in jaxprs_in_params(eqn.params):
+                _walk(sub, recipe, found)
+
+
+def fp8_ops(fun: Callable, recipe: Fp8Recipe, *args: Any) -> list[Fp8Op]:
+    """Each `dot_general` and convolution of `fun(*args)`, in order, with its fp8 choice.
+
+    What `autocast(fun, policy, fp8=recipe)` (default `OpLists`) does with each op of the
+    forward function: an fp8 GEMM, or the compute dtype and why (batched, too small,
+    excluded, or a convolution other than 1x1; see `Fp8Recipe.convs`). Ops inside
+    `custom_vjp` functions are not listed: autocast binds those as traced. The backward
+    pass follows the forward: an fp8 op's two gradient GEMMs are fp8 too.
+
+    Args:
+      fun: the function (array arguments only; bind the others with `functools.partial`).
+      recipe: the `Fp8Recipe`.
+      *args: example arguments (arrays or `jax.ShapeDtypeStruct` values).
+
+    Returns:
+      A list of `Fp8Op`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import Fp8Recipe
+      >>> from mpjax.fp8 import fp8_ops
+      >>> f = lambda x, w: x @ w
+      >>> [op.fp8 for op in fp8_ops(f, Fp8Recipe(), jnp.ones((64, 64)), jnp.ones((64, 64)))]
+      [True]
+    """
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"fp8_ops: recipe must be an mpjax Fp8Recipe, got {type(recipe).__name__}")
+    found: list[Fp8Op] = []
+    _walk(jax.make_jaxpr(fun)(*args).jaxpr, recipe, found)
+    return found

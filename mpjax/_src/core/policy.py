@@ -1,0 +1,326 @@
+"""The precision `Policy`: param, compute and output dtypes, and its spec-string grammar."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DTYPE_NAMES",
+    "KERAS_POLICY_NAMES",
+    "Policy",
+    "cast_floating",
+    "cast_to_full",
+    "cast_to_half",
+    "get_policy",
+    "half_dtype",
+]
+
+# Names accepted in a policy spec, mapped to canonical dtypes.
+DTYPE_NAMES: dict[str, Any] = {
+    "float32": jnp.float32,
+    "f32": jnp.float32,
+    "full": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "half": jnp.bfloat16,
+    "float16": jnp.float16,
+    "f16": jnp.float16,
+    "float64": jnp.float64,
+    "f64": jnp.float64,
+}
+
+# Keras mixed-precision policy names, as Keras means them: variables (params) in the first
+# dtype, layers computing in the second, and (Keras layers return their compute dtype) outputs
+# in the compute dtype.
+KERAS_POLICY_NAMES: dict[str, tuple[Any, Any, Any]] = {
+    "mixed_bfloat16": (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+    "mixed_float16": (jnp.float32, jnp.float16, jnp.float16),
+}
+
+_KEYS = {
+    "params": "params",
+    "p": "params",
+    "compute": "compute",
+    "c": "compute",
+    "output": "output",
+    "o": "output",
+}
+
+
+def as_float_dtype(value: Any, what: str) -> np.dtype:
+    """Normalises `value` with `jnp.dtype` and refuses anything non-floating."""
+    if isinstance(value, str) and value.strip().lower() in DTYPE_NAMES:
+        value = DTYPE_NAMES[value.strip().lower()]
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise ValueError(
+            f"{what}: {value!r} is not a dtype; use one of {sorted(DTYPE_NAMES)}"
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{what}: {dtype.name} is not a floating dtype; a policy holds floating "
+            f"dtypes only ({sorted(DTYPE_NAMES)})"
+        )
+    return dtype
+
+
+def is_floating_array(x: Any) -> bool:
+    return (
+        isinstance(x, (jax.Array, np.ndarray, np.generic))
+        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+        and jnp.issubdtype(x.dtype, jnp.floating)
+    )
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Casts the floating array leaves of `tree` to `dtype`; every other leaf passes through.
+
+    Leaves already in `dtype` are returned as they are, so no convert op is traced.
+
+    Args:
+      tree: any pytree.
+      dtype: target floating dtype.
+
+    Returns:
+      A pytree of the same structure.
+    """
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        if is_floating_array(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def half_dtype() -> np.dtype:
+    """The half-precision dtype of the default backend, as `jmp.half_dtype`: bfloat16 on TPU,
+    float16 elsewhere.
+
+    Note that in a policy spec the name `"half"` always means bfloat16 (jmp reads it as
+    `half_dtype()`); write `f"c={half_dtype().name}"` for jmp's meaning.
+
+    Returns:
+      `dtype(bfloat16)` when the first local device is a TPU, else `dtype(float16)`.
+
+    Example:
+      >>> from mpjax import half_dtype
+      >>> half_dtype()  # on CPU or GPU
+      dtype('float16')
+    """
+    on_tpu = jax.local_devices()[0].platform == "tpu"
+    return jnp.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
+
+
+def cast_to_full(tree: Any) -> Any:
+    """Casts the floating array leaves of `tree` to float32, as `jmp.cast_to_full`.
+
+    Args:
+      tree: any pytree; non-floating leaves pass through.
+
+    Returns:
+      The same structure with float32 floating arrays.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import cast_to_full
+      >>> cast_to_full({"w": jnp.ones(2, jnp.bfloat16), "step": 3})["w"].dtype
+      dtype('float32')
+    """
+    return cast_floating(tree, jnp.float32)
+
+
+def cast_to_half(tree: Any) -> Any:
+    """Casts the floating array leaves of `tree` to `half_dtype()`, as `jmp.cast_to_half`.
+
+    Args:
+      tree: any pytree; non-floating leaves pass through.
+
+    Returns:
+      The same structure with floating arrays in `half_dtype()` (float16 off TPU).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import cast_to_half
+      >>> cast_to_half(jnp.ones(2)).dtype  # on CPU or GPU
+      dtype('float16')
+    """
+    return cast_floating(tree, half_dtype())
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy: the dtypes of parameters, computation and outputs.
+
+    Frozen and hashable, so it can be a static argument of `jax.jit`. Dtypes are
+    normalised with `jnp.dtype`; non-floating dtypes are refused.
+
+    Attributes:
+      param_dtype: dtype parameters are stored in.
+      compute_dtype: dtype matmuls and convolutions run in.
+      output_dtype: dtype a module's outputs leave in.
+
+    Example:
+      >>> from mpjax import Policy
+      >>> p = Policy("float32", "bfloat16", "float32")
+      >>> str(p)
+      'params=float32,compute=bfloat16,output=float32'
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            value = as_float_dtype(getattr(self, field), f"Policy.{field}")
+            object.__setattr__(self, field, value)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Casts floating leaves of `tree` to `param_dtype`; other leaves pass through."""
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts floating leaves of `tree` to `compute_dtype`; other leaves pass through."""
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts floating leaves of `tree` to `output_dtype`; other leaves pass through."""
+        return cast_floating(tree, self.output_dtype)
+
+    def with_output_param_dtype(self) -> Policy:
+        """Returns this policy with `output_dtype` set to `param_dtype`."""
+        return dataclasses.replace(self, output_dtype=self.param_dtype)
+
+    def with_param_dtype(self, param_dtype: Any) -> Policy:
+        """Returns this policy with `param_dtype` replaced (a dtype or a name such as "f32").
+
+        Example:
+          >>> from mpjax import get_policy
+          >>> get_policy("c=bf16").with_param_dtype("bf16") == get_policy("bf16")
+          True
+        """
+        return dataclasses.replace(self, param_dtype=param_dtype)
+
+    def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+        """Returns this policy with `compute_dtype` replaced (a dtype or a name such as "bf16").
+
+        Example:
+          >>> from mpjax import get_policy
+          >>> str(get_policy("f32").with_compute_dtype("f16"))
+          'params=float32,compute=float16,output=float32'
+        """
+        return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """Returns this policy with `output_dtype` replaced, as jmp's `Policy.with_output_dtype`.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from mpjax import get_policy
+          >>> str(get_policy("c=bf16").with_output_dtype(jnp.float32))
+          'params=float32,compute=bfloat16,output=float32'
+        """
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether compute runs below the parameter precision."""
+        return self.compute_dtype.itemsize < self.param_dtype.itemsize
+
+    def __str__(self) -> str:
+        return (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}"
+        )
+
+
+def get_policy(spec: str | Policy) -> Policy:
+    """Parses a policy spec in jmp's grammar, or a Keras policy name.
+
+    `"params=float32,compute=bfloat16,output=float32"`; short keys `p=`, `c=`, `o=`;
+    dtype names `float32/f32/full`, `bfloat16/bf16/half`, `float16/f16`,
+    `float64/f64`; a bare name sets all three. Params default to float32, compute to
+    params, output to compute. `get_policy(str(p)) == p` for every policy. Unlike jmp,
+    `half` is always bfloat16 (see `half_dtype`).
+
+    Keras's names mean what they mean in Keras: `"mixed_bfloat16"` and `"mixed_float16"`
+    are float32 params with bfloat16 / float16 compute and outputs (a Keras layer returns
+    its compute dtype; `apply_policy`'s defaults still give float32 logits); `"float32"`,
+    `"bfloat16"`, `"float16"` are one dtype for all three, as bare names already are.
+
+    Args:
+      spec: a spec string, or a `Policy` (returned as is).
+
+    Returns:
+      The `Policy`.
+
+    Raises:
+      ValueError: naming the bad key or value and listing the valid ones.
+
+    Example:
+      >>> from mpjax import get_policy
+      >>> get_policy("p=f32,c=bf16").output_dtype
+      dtype(bfloat16)
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"get_policy expects a spec string or a Policy, got {type(spec).__name__}")
+    text = spec.strip()
+    if not text:
+        raise ValueError("empty policy spec; e.g. 'params=float32,compute=bfloat16'")
+
+    def dtype_of(name: str, where: str):
+        key = name.strip().lower()
+        if key not in DTYPE_NAMES:
+            raise ValueError(
+                f"unknown dtype {name.strip()!r} in {where} of policy spec {spec!r}; "
+                f"valid dtypes: {', '.join(sorted(DTYPE_NAMES))}"
+            )
+        return DTYPE_NAMES[key]
+
+    if text.lower() in KERAS_POLICY_NAMES:
+        return Policy(*KERAS_POLICY_NAMES[text.lower()])
+    if "=" not in text:
+        if text.lower() not in DTYPE_NAMES:
+            raise ValueError(
+                f"unknown policy name {text!r}; use a dtype ({', '.join(sorted(DTYPE_NAMES))}), "
+                f"a Keras policy name ({', '.join(KERAS_POLICY_NAMES)}) or key=dtype entries, "
+                "e.g. 'params=float32,compute=bfloat16'"
+            )
+        dtype = dtype_of(text, "the bare name")
+        return Policy(dtype, dtype, dtype)
+
+    values: dict[str, Any] = {}
+    for part in text.split(","):
+        if not part.strip():
+            raise ValueError(f"empty entry in policy spec {spec!r}")
+        if "=" not in part:
+            raise ValueError(
+                f"entry {part.strip()!r} in policy spec {spec!r} is not key=dtype; "
+                f"valid keys: {', '.join(sorted(_KEYS))}"
+            )
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        if key not in _KEYS:
+            raise ValueError(
+                f"unknown key {key!r} in policy spec {spec!r}; "
+                f"valid keys: {', '.join(sorted(_KEYS))}"
+            )
+        canon = _KEYS[key]
+        if canon in values:
+            raise ValueError(f"key {canon!r} given twice in policy spec {spec!r}")
+        values[canon] = dtype_of(value, f"key {key!r}")
+
+    params = values.get("params", jnp.float32)
+    compute = values.get("compute", params)
+    output = values.get("output", compute)
+    return Policy(params, compute, output)

@@ -1,0 +1,381 @@
+"""Per-module precision policies for Flax linen modules.
+
+`apply_linen_policy(module, policy)` returns a `PolicyModule`, a linen module with the
+same `init`/`apply` API and the same variable tree as `module` (checkpoints
+interchange). It works through `flax.linen.intercept_methods`; for every method call
+of a covered module, coming from outside that module:
+
+- on the module's first call in an `apply`, its own parameters are cast to its
+  compute dtype once (and the cast values reused by every later call in that apply,
+  so a tied embedding is cast once per step);
+- floating inputs are cast to the compute dtype, floating outputs to the output dtype
+  (the inherited compute dtype for a module without its own rule; see
+  `mpjax._src.flax.rules`), and a `dtype` field (Flax's computation dtype) is set to
+  the compute dtype for the call, so an explicit `dtype=` on a layer does not override the policy;
+- attention modules in `Defaults.float32_softmax_modules` that use Flax's default
+  `attention_fn` run `float32_softmax_attention` instead (softmax in float32, both
+  matmuls on compute-dtype operands).
+
+At `init` (and whenever the `params` collection is mutable) parameters are created as
+the module creates them and then cast to the policy's `param_dtype`; the forward pass
+of `init` itself uses them as created.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import flax.linen as nn
+from flax.linen.dtypes import promote_dtype
+from flax.linen.module import TestScope
+from mpjax._src.core.policy import cast_floating
+from mpjax._src.flax.defaults import DEFAULTS, Defaults
+from mpjax._src.flax.fp8_linen import DelayedFp8, delayed_fp8_override
+from mpjax._src.flax.rules import Resolved, Rules, field_overrides, parse_rules, resolve
+
+__all__ = [
+    "PolicyModule",
+    "apply_linen_policy",
+    "float32_softmax_attention",
+    "linen_module_policies",
+]
+
+# Set only by `linen_module_policies`: a dict the interceptor records resolutions into.
+_RECORDER: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "mpjax_linen_policy_recorder", default=None
+)
+
+
+def float32_softmax_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    force_fp32_for_softmax: bool = True,
+    einsum_dot_general=None,
+    qk_attn_weights_einsum=None,
+    attn_weights_value_einsum=None,
+):
+    """`flax.linen.dot_product_attention` with the softmax in float32.
+
+    Same signature and result as Flax's; the attention weights are computed with
+    `force_fp32_for_softmax=True` and cast back to the value dtype before the second
+    matmul (Flax's own flag leaves them in float32, which promotes that matmul to
+    float32).
+
+    Returns:
+      Output of shape `[batch..., q_length, num_heads, v_depth_per_head]`.
+    """
+    del force_fp32_for_softmax
+    query, key, value = promote_dtype(query, key, value, dtype=dtype)
+    weights = nn.dot_product_attention_weights(
+        query,
+        key,
+        bias,
+        mask,
+        broadcast_dropout,
+        dropout_rng,
+        dropout_rate,
+        deterministic,
+        query.dtype,
+        precision,
+        module,
+        force_fp32_for_softmax=True,
+        einsum_dot_general=einsum_dot_general,
+        einsum=qk_attn_weights_einsum,
+    )
+    weights = weights.astype(value.dtype)
+    if attn_weights_value_einsum is None:
+        attn_weights_value_einsum = functools.partial(
+            jnp.einsum,
+            precision=precision,
+            _dot_general=einsum_dot_general or jax.lax.dot_general,
+        )
+    return attn_weights_value_einsum("...hqk,...khd->...qhd", weights, value)
+
+
+def _changed(new: Any, old: Any) -> bool:
+    """Whether `cast_floating` replaced any leaf (it returns unchanged leaves as they are)."""
+    return any(a is not b for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True))
+
+
+def _own_cast(collection: Mapping, dtype) -> dict | None:
+    """A copy of `collection` with its own (non-submodule) leaves cast, or None if unchanged.
+
+    Values that are mappings are submodule collections (cast when that submodule runs).
+    """
+    out, changed = {}, False
+    for name, value in collection.items():
+        if isinstance(value, Mapping):
+            out[name] = value
+            continue
+        cast = cast_floating(value, dtype)
+        changed |= _changed(cast, value)
+        out[name] = cast
+    return out if changed else None
+
+
+class _Interceptor:
+    """The method interceptor of one `PolicyModule` call: per-call state only."""
+
+    def __init__(
+        self, rules: Rules, defaults: Defaults, root: nn.Module, fp8: DelayedFp8 | None = None
+    ):
+        self.rules = rules
+        self.fp8 = fp8
+        self.defaults = defaults
+        self.root = root
+        self.root_path = root.scope.path
+        self.resolved: dict[tuple[type, tuple[str, ...]], Resolved | None] = {}
+        self.by_path: dict[tuple[str, ...], Resolved | None] = {}
+        self.cast_done: dict[int, Any] = {}  # id(scope variables) -> the dict, kept alive
+        self.stack: list[nn.Module] = []
+
+    def rel_path(self, module: nn.Module) -> tuple[str, ...] | None:
+        path = module.scope.path
+        n = len(self.root_path)
+        return path[n:] if path[:n] == self.root_path else None
+
+    def resolve(self, module: nn.Module) -> Resolved | None:
+        path = self.rel_path(module)
+        key = (type(module), path)
+        if key in self.resolved:
+            return self.resolved[key]
+        is_root = module is self.root
+        parent = None
+        if not is_root:
+            up = module.parent
+            if (
+                isinstance(up, nn.Module)
+                and up.scope is not None
+                and not isinstance(up, PolicyModule)
+                and self.rel_path(up) is not None
+            ):
+                parent = self.resolve(up)
+            else:
+                # Clones made by lifted transforms (nn.scan, nn.remat, ...) are parented by
+                # a bare Scope: take the nearest ancestor resolved so far in this call.
+                for k in range(len(path) - 1, -1, -1):
+                    if path[:k] in self.by_path:
+                        parent = self.by_path[path[:k]]
+                        break
+        text = "/".join(path)
+        res = resolve(self.rules, self.defaults, type(module), text, parent, is_root)
+        self.resolved[key] = res
+        self.by_path[path] = res
+        recorder = _RECORDER.get()
+        if recorder is not None and res is not None:
+            recorder[text] = res.policy
+        return res
+
+    def cast_params_to_compute(self, module: nn.Module, res: Resolved) -> None:
+        """Gives the module's scope a view of its own params cast to the compute dtype.
+
+        Flax has no public hook for this, so it replaces the scope's `params` entry
+        (`Scope._variables`, a per-scope dict that rewound copies of the scope share,
+        which is what makes the cast once per apply). Only done when `params` is
+        immutable, so nothing cast is ever written back; Flax is pinned below 0.13 and
+        the dtype tests fail if this stops working.
+        """
+        scope = module.scope
+        if scope.is_mutable_collection("params"):
+            return
+        variables = scope._variables  # the scope's own dict; shared by its rewound copies
+        if id(variables) in self.cast_done:
+            return
+        self.cast_done[id(variables)] = variables
+        collection = scope._collection("params")
+        cast = _own_cast(collection, res.policy.compute_dtype)
+        if cast is not None:
+            variables["params"] = cast
+
+    def cast_params_to_param_dtype(self, module: nn.Module, res: Resolved) -> None:
+        scope = module.scope
+        if not scope.is_mutable_collection("params"):
+            return
+        collection = scope._collection("params")
+        for name, value in list(collection.items()):
+            if isinstance(value, Mapping):
+                continue
+            cast = cast_floating(value, res.policy.param_dtype)
+            if _changed(cast, value):
+                scope.put_variable("params", name, cast)
+
+    def __call__(self, next_fun, args, kwargs, context):
+        module = context.module
+        if isinstance(module, PolicyModule):
+            raise ValueError(
+                "apply_policy: a policy-wrapped module cannot be called inside another "
+                "policy-wrapped module; pass one rule mapping to the outer apply_policy"
+            )
+        scope = module.scope
+        if scope is None or isinstance(scope.root, TestScope) or self.rel_path(module) is None:
+            return next_fun(*args, **kwargs)
+        res = self.resolve(module)
+        if res is None:
+            self.stack.append(module)
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                self.stack.pop()
+        setup = context.method_name == "setup"
+        external = not setup and not (self.stack and self.stack[-1] is module)
+        if setup or external:
+            self.cast_params_to_compute(module, res)
+        if external:
+            args, kwargs = cast_floating((args, kwargs), res.policy.compute_dtype)
+        overrides = field_overrides(
+            module if external else None,
+            res.policy.compute_dtype,
+            res.float32_softmax,
+            nn.dot_product_attention,
+            float32_softmax_attention,
+        )
+        fp8 = self.fp8 if context.method_name == "__call__" else None
+        fp8_name = f"{type(self.root).__name__}/{'/'.join(self.rel_path(module))}"
+        self.stack.append(module)
+        try:
+            with overrides, delayed_fp8_override(module, fp8_name, fp8):
+                out = next_fun(*args, **kwargs)
+        finally:
+            self.stack.pop()
+        self.cast_params_to_param_dtype(module, res)
+        if external:
+            out = cast_floating(out, res.policy.output_dtype)
+        return out
+
+
+def _unbound(method: Any) -> Any:
+    if callable(method) and hasattr(method, "__self__") and isinstance(method.__self__, nn.Module):
+        return method.__func__
+    return method
+
+
+class PolicyModule(nn.Module):
+    """A linen module run under per-module precision policies (see `apply_linen_policy`).
+
+    Shares its scope with `module`, so its variables are exactly `module`'s. `init`,
+    `init_with_output` and `apply` accept `method=` naming a method of `module` (a
+    string, or a function taking `module` as first argument).
+
+    Attributes:
+      module: the wrapped module.
+      rules: the parsed rules (see `mpjax._src.flax.rules.parse_rules`).
+      defaults: the default lists (see `mpjax._src.flax.defaults.Defaults`).
+      fp8: delayed fp8 scaling of its `Dense`/`DenseGeneral` GEMMs, or None.
+    """
+
+    module: nn.Module
+    rules: Rules
+    defaults: Defaults = DEFAULTS
+    fp8: DelayedFp8 | None = None
+
+    def setup(self):
+        nn.share_scope(self, self.module)
+
+    def __call__(self, *args, **kwargs):
+        return self.policy_call(None, args, kwargs)
+
+    def policy_call(self, method: Any, args: tuple, kwargs: dict) -> Any:
+        """Calls `method` of the wrapped module under the policy.
+
+        `method` is None (`__call__`), a method name, or a function taking the module.
+        """
+        inner = self.module
+        with nn.intercept_methods(_Interceptor(self.rules, self.defaults, inner, self.fp8)):
+            if method is None:
+                return inner(*args, **kwargs)
+            if isinstance(method, str):
+                return getattr(inner, method)(*args, **kwargs)
+            return _unbound(method)(inner, *args, **kwargs)
+
+    @staticmethod
+    def _outer_method(method: Any) -> Any:
+        if method is None:
+            return None
+        return lambda self, *args, **kwargs: self.policy_call(method, args, kwargs)
+
+    def init_with_output(self, rngs, *args, method=None, **kwargs):
+        """`nn.Module.init_with_output`; `method` names a method of the wrapped module."""
+        return super().init_with_output(rngs, *args, method=self._outer_method(method), **kwargs)
+
+    def apply(self, variables, *args, method=None, **kwargs):
+        """`nn.Module.apply`; `method` names a method of the wrapped module."""
+        return super().apply(variables, *args, method=self._outer_method(method), **kwargs)
+
+
+def apply_linen_policy(
+    module: nn.Module, policy: Any, *, defaults: Defaults = DEFAULTS, fp8: DelayedFp8 | None = None
+) -> PolicyModule:
+    """Wraps a linen module so that it runs under per-module precision policies.
+
+    Args:
+      module: an unbound `flax.linen.Module` (a `PolicyModule` is re-wrapped with
+        the new rules).
+      policy: a `Policy`, a spec string, or a `{selector: policy}` mapping (see
+        `mpjax._src.flax.rules`).
+      defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
+      fp8: delayed fp8 scaling (see `mpjax._src.flax.fp8_linen`), or None.
+
+    Returns:
+      A `PolicyModule` with the same `init`/`apply` API and variable tree (plus the
+      `"fp8_meta"` collection under `fp8`).
+
+    Example:
+      >>> from mpjax.policy.linen import apply_linen_policy
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> model = apply_linen_policy(nn.Dense(3), "params=float32,compute=bfloat16")
+      >>> v = model.init(jax.random.key(0), jnp.ones((1, 2)))
+      >>> model.apply(v, jnp.ones((1, 2))).dtype  # logits leave in float32
+      dtype('float32')
+    """
+    if isinstance(module, PolicyModule):
+        module = module.module
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a flax.linen.Module, got {type(module).__name__}")
+    if not isinstance(defaults, Defaults):
+        raise TypeError(f"defaults must be a mpjax Defaults, got {type(defaults).__name__}")
+    return PolicyModule(module, parse_rules(policy, nn.Module), defaults, fp8)
+
+
+def linen_module_policies(
+    model: PolicyModule, variables: Any, *args, method: Any = None, **kwargs
+) -> dict[str, Any]:
+    """The effective policy of every module a call of `model` runs, by path.
+
+    Traces `model.apply(variables, *args, method=method, **kwargs)` abstractly (no
+    computation) and records what each covered module resolved to.
+
+    Args:
+      model: a `PolicyModule` from `apply_policy`.
+      variables: its variables (arrays or `jax.ShapeDtypeStruct` values).
+      *args: the call's arguments (concrete values: they are closed over).
+      method: as for `apply`.
+      **kwargs: the call's keyword arguments (e.g. `mutable=`, `rngs=`).
+
+    Returns:
+      A dict from each module path to its `Policy` (`""` is the root).
+    """
+    if not isinstance(model, PolicyModule):
+        raise TypeError(f"expected a PolicyModule from apply_policy, got {type(model).__name__}")
+    record: dict[str, Any] = {}
+    token = _RECORDER.set(record)
+    try:
+        jax.eval_shape(lambda v: model.apply(v, *args, method=method, **kwargs), variables)
+    finally:
+        _RECORDER.reset(token)
+    return record

@@ -1,0 +1,371 @@
+"""Per-module precision policies for Flax NNX modules.
+
+`apply_nnx_policy(model, policy)` resolves a policy for every module of the object
+graph, casts each `nnx.Param` to its module's `param_dtype`, and gives each covered
+module a policy-aware class: a subclass of its own class (same name, `isinstance`
+still holds) whose public methods, when called from outside the module,
+
+- cast floating inputs to the module's compute dtype and floating outputs to its
+  output dtype (the inherited compute dtype for a module without its own rule; see
+  `mpjax._src.flax.rules`), and set a `dtype` attribute (Flax's computation dtype; NNX layers such
+  as `Embed` fix it at construction) to the compute dtype for the call;
+- on the outermost policy-aware call (e.g. `model(x)` in a train step) cast every
+  `nnx.Param` of the called subtree to its owning module's compute dtype once, run,
+  and restore the original values afterwards, so a parameter used twice (tied
+  embeddings) is cast once per step and gradients reach the stored parameters
+  (parameters are therefore not meant to be assigned inside a call; optimizers
+  update them between calls);
+- for attention modules in `Defaults.float32_softmax_modules` that use Flax's default
+  `attention_fn`, run `float32_softmax_attention` (softmax in float32).
+
+The resolved policy is stored as a static attribute `_mpjax_policy`, so `nnx.split`,
+`nnx.jit`, `nnx.grad` and `nnx.Optimizer` carry it; the `nnx.state` (and so any
+checkpoint) is unchanged apart from parameter dtypes. Container modules (`nnx.List`,
+`nnx.Dict`) pass their policy on to their elements but are not wrapped themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
+from mpjax._src.core.policy import Policy, is_floating_array
+from mpjax._src.flax.defaults import DEFAULTS, Defaults
+from mpjax._src.flax.fp8_linen import DelayedFp8
+from mpjax._src.flax.fp8_nnx import nnx_delayed_override, plan_nnx_fp8, set_nnx_fp8
+from mpjax._src.flax.rules import field_overrides, parse_rules, resolve
+
+__all__ = ["apply_nnx_policy", "float32_softmax_attention", "module_policies"]
+
+# Modules whose policy-aware calls are in progress on this thread (innermost last). The
+# outermost call casts parameters; calls from a module to itself are not re-cast.
+_CALL_STACK: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "mpjax_nnx_policy_calls", default=()
+)
+
+_CONTAINERS = (nnx.List, nnx.Dict)
+_ATTR = "_mpjax_policy"
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModulePolicy:
+    """The static per-module record: its effective policy and where it came from."""
+
+    policy: Policy
+    float32_softmax: bool
+    path: str
+    rule: str
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Casts floating array leaves; NNX objects and Variables in `tree` are left alone."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        if is_floating_array(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, (nnx.Pytree, nnx.Variable)))
+
+
+def float32_softmax_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    promote_dtype=nnx_dtypes.promote_dtype,
+    is_causal: bool = False,
+):
+    """`flax.nnx.dot_product_attention` with the softmax in float32 and low-precision GEMMs.
+
+    Same signature and result as Flax's (within the compute dtype's rounding). The logits
+    are a GEMM on the input-dtype operands, cast to float32 (or wider) for the scaling,
+    bias, masks and softmax, and the weights are cast back to the input dtype before the
+    second GEMM, so both GEMMs and their gradients run on input-dtype (e.g. bfloat16)
+    operands. (`jax.nn.dot_product_attention`, which Flax calls without dropout, forms
+    float32 logits from the GEMM itself, so its backward GEMMs take a float32 cotangent.)
+    Masked logits are set to the float32 minimum: a fully masked row attends uniformly.
+    Key/value heads may divide the query heads (grouped-query attention).
+
+    Returns:
+      Output of shape `[batch..., q_length, num_heads, v_depth_per_head]`.
+    """
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    dtype = query.dtype
+    _check_qkv(query, key, value)
+    if query.shape[-2] != key.shape[-2]:  # grouped-query attention: repeat kv heads
+        reps = query.shape[-2] // key.shape[-2]
+        key, value = jnp.repeat(key, reps, axis=-2), jnp.repeat(value, reps, axis=-2)
+    softmax_dtype = jnp.promote_types(dtype, jnp.float32)
+    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    # The cast (not the GEMM's result type) widens: the gradient GEMMs stay in `dtype`.
+    logits = logits.astype(softmax_dtype) / jnp.sqrt(query.shape[-1]).astype(softmax_dtype)
+    if bias is not None:
+        logits = (logits + bias).astype(softmax_dtype)
+    masks = [] if mask is None else [mask]
+    if is_causal:
+        t, s = logits.shape[-2:]
+        masks.append(jnp.tril(jnp.ones((t, s), dtype=jnp.bool_)))
+    if masks:
+        keep = functools.reduce(jnp.logical_and, [jnp.asarray(m, jnp.bool_) for m in masks])
+        logits = jnp.where(keep, logits, jnp.finfo(softmax_dtype).min)
+    weights = jax.nn.softmax(logits)
+    if module is not None:
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    if not deterministic and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        shape = (
+            (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
+        )
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        weights = weights * (keep.astype(weights.dtype) / keep_prob)
+    weights = weights.astype(dtype)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
+def _check_qkv(query, key, value) -> None:
+    """Raises a ValueError naming the mismatch of attention `query`, `key`, `value` shapes."""
+    if not query.ndim == key.ndim == value.ndim or query.ndim < 3:
+        raise ValueError(
+            "query, key and value must have the same rank >= 3 ([batch..., length, heads, "
+            f"depth]); got shapes {query.shape}, {key.shape}, {value.shape}"
+        )
+    if key.shape[-3] != value.shape[-3] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length and heads; got {key.shape}, {value.shape}"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key depths differ: query {query.shape}, key {key.shape}")
+    if query.shape[-2] % key.shape[-2]:
+        raise ValueError(
+            f"query heads ({query.shape[-2]}) must be a multiple of key/value heads "
+            f"({key.shape[-2]})"
+        )
+
+
+def _is_module_node(node: Any) -> bool:
+    return isinstance(node, nnx.Module)
+
+
+def _owner(path: tuple, module_paths: set) -> tuple | None:
+    for k in range(len(path) - 1, -1, -1):
+        if path[:k] in module_paths:
+            return path[:k]
+    return None
+
+
+def _params_by_owner(root: nnx.Module):
+    """Yields `(param, owner_module)` for every `nnx.Param` under `root`, each once."""
+    nodes = list(nnx.iter_graph(root))
+    modules = {
+        path: node
+        for path, node in nodes
+        if _is_module_node(node) and not isinstance(node, _CONTAINERS)
+    }
+    module_paths = set(modules)
+    for path, node in nodes:
+        if isinstance(node, nnx.Param):
+            owner = _owner(path, module_paths)
+            if owner is not None:
+                yield node, modules[owner]
+
+
+def _policy_of(module: Any) -> _ModulePolicy | None:
+    return vars(module).get(_ATTR)
+
+
+def _swap_raw(param: nnx.Variable, value: Any) -> None:
+    """Sets a Variable's raw value without NNX's trace-level check.
+
+    Only used for the temporary compute-dtype view of a parameter, which is restored
+    before the call returns; skipping the check lets a policy-aware model also be
+    traced when closed over (e.g. `jax.jit(lambda x: model(x))`), where reading it is
+    legal and a permanent write would not be.
+    """
+    object.__setattr__(param, "_raw_value", value)
+
+
+def _policy_method(self, fn, args, kwargs):
+    info = _policy_of(self)
+    stack = _CALL_STACK.get()
+    if info is None or (stack and stack[-1] is self):
+        return fn(self, *args, **kwargs)
+    restore = []
+    if not stack:
+        for param, owner in _params_by_owner(self):
+            owner_info = _policy_of(owner)
+            if owner_info is None:
+                continue
+            raw = param.get_raw_value()
+            cast = _cast(raw, owner_info.policy.compute_dtype)
+            if cast is not raw:
+                restore.append((param, raw))
+                _swap_raw(param, cast)
+    overrides = field_overrides(
+        self,
+        info.policy.compute_dtype,
+        info.float32_softmax,
+        nnx.dot_product_attention,
+        float32_softmax_attention,
+    )
+    fp8 = nnx_delayed_override(self) if fn.__name__ == "__call__" else contextlib.nullcontext()
+    token = _CALL_STACK.set(stack + (self,))
+    try:
+        with overrides, fp8:
+            args, kwargs = _cast((args, kwargs), info.policy.compute_dtype)
+            out = fn(self, *args, **kwargs)
+    finally:
+        _CALL_STACK.reset(token)
+        for param, raw in reversed(restore):
+            _swap_raw(param, raw)
+    return _cast(out, info.policy.output_dtype)
+
+
+def _wrap(fn):
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        return _policy_method(self, fn, args, kwargs)
+
+    return method
+
+
+def _method_names(cls: type) -> list[str]:
+    """`__call__` and the public methods `cls` defines below `nnx.Module`."""
+    base = set(dir(nnx.Module))
+    names = []
+    for klass in cls.__mro__:
+        if klass is nnx.Module or not issubclass(klass, nnx.Module):
+            continue
+        for name, attr in vars(klass).items():
+            public = name == "__call__" or not name.startswith("_")
+            if public and inspect.isfunction(attr) and name not in names:
+                if name == "__call__" or name not in base:
+                    names.append(name)
+    return names
+
+
+@functools.cache
+def _policy_class(cls: type) -> type:
+    """The policy-aware subclass of `cls`, created once per class.
+
+    Cached because JAX pytree registration of a class is global and happens once.
+    """
+    namespace = {name: _wrap(getattr(cls, name)) for name in _method_names(cls)}
+    namespace.update(
+        __module__=cls.__module__,
+        __qualname__=cls.__qualname__,
+        __doc__=cls.__doc__,
+        _mpjax_base=cls,
+    )
+    return type(cls)(cls.__name__, (cls,), namespace, pytree=cls._pytree__is_pytree)
+
+
+def _base_class(cls: type) -> type:
+    return cls.__dict__.get("_mpjax_base", cls)
+
+
+def apply_nnx_policy(
+    model: nnx.Module,
+    policy: Any,
+    *,
+    defaults: Defaults = DEFAULTS,
+    fp8: DelayedFp8 | None = None,
+):
+    """Applies per-module precision policies to an NNX model, in place.
+
+    Re-applying replaces the previous policies; modules no rule covers get their
+    original class back (and lose any fp8 state).
+
+    Args:
+      model: an `nnx.Module`; modified in place.
+      policy: a `Policy`, a spec string, or a `{selector: policy}` mapping (see
+        `mpjax._src.flax.rules`); paths are attribute paths joined by "/" (list
+        elements by index, e.g. `"blocks/0/attn"`).
+      defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
+      fp8: delayed fp8 scaling of the covered `nnx.Linear` / `nnx.LinearGeneral` GEMMs
+        (see `mpjax._src.flax.fp8_nnx`), or None.
+
+    Returns:
+      `model`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from mpjax.policy.nnx import apply_nnx_policy
+      >>> model = apply_nnx_policy(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "p=f32,c=bf16")
+      >>> model(jnp.ones((1, 2))).dtype  # matmul in bfloat16, logits leave in float32
+      dtype('float32')
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"expected a flax.nnx.Module, got {type(model).__name__}")
+    if not isinstance(defaults, Defaults):
+        raise TypeError(f"defaults must be a mpjax Defaults, got {type(defaults).__name__}")
+    rules = parse_rules(policy, nnx.Module)
+    modules = [(p, n) for p, n in nnx.iter_graph(model) if _is_module_node(n)]
+    modules.sort(key=lambda item: len(item[0]))
+    module_paths = {path for path, _ in modules}
+    root_name = _base_class(type(model)).__name__
+    resolved, plans = {}, []
+    for path, module in modules:  # resolve and validate everything before changing anything
+        base = _base_class(type(module))
+        owner = _owner(path, module_paths)
+        parent = resolved.get(owner) if owner is not None else None
+        text = "/".join(str(part) for part in path)
+        res = resolve(rules, defaults, base, text, parent, is_root=path == ())
+        resolved[path] = res
+        site = plan_nnx_fp8(module, f"{root_name}/{text}", fp8 if res is not None else None)
+        plans.append((module, base, text, res, site))
+    for module, base, text, res, site in plans:
+        set_nnx_fp8(module, site)
+        if res is None or isinstance(module, _CONTAINERS):
+            object.__setattr__(module, "__class__", base)
+            if _ATTR in vars(module):
+                setattr(module, _ATTR, None)
+            continue
+        info = _ModulePolicy(res.policy, res.float32_softmax, text, res.rule.describe())
+        object.__setattr__(module, "__class__", _policy_class(base))
+        setattr(module, _ATTR, info)
+    for param, owner in _params_by_owner(model):
+        info = _policy_of(owner)
+        if info is None:
+            continue
+        raw = param.get_raw_value()
+        cast = _cast(raw, info.policy.param_dtype)
+        if cast is not raw:
+            param.set_raw_value(cast)
+    return model
+
+
+def module_policies(model: nnx.Module) -> dict[str, Policy]:
+    """The effective policy of every policy-aware module of `model`, by path.
+
+    Args:
+      model: a model `apply_nnx_policy` was applied to.
+
+    Returns:
+      A dict from each wrapped module's path to its `Policy` (`""` is the root).
+    """
+    out = {}
+    for _, node in nnx.iter_graph(model):
+        info = _policy_of(node) if _is_module_node(node) else None
+        if info is not None:
+            out[info.path] = info.policy
+    return out

@@ -1,0 +1,427 @@
+"""`loss_scaled`: an optax wrapper with FP32 master weights and loss scaling with skip steps."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpjax._src.core.dtypes import is_floating as _is_floating
+from mpjax._src.core.dtypes import wide_dtype as _wide_dtype
+from mpjax._src.kernels.dispatch import IMPLS
+from mpjax._src.kernels.unscale import all_finite_unscaled, xla_unscale_and_check
+from mpjax._src.scaling.checks import (
+    _check_loss_scale,
+    _check_param_dtypes,
+    _check_same_structure,
+)
+from mpjax._src.scaling.config import default_max_consecutive_skips
+from mpjax._src.scaling.diagnostics import raise_in_step_if_diverged
+from mpjax._src.scaling.loss_scale import (
+    LossScale,
+    NoOpLossScale,
+    all_finite,
+    select_tree,
+    unscale_tree,
+)
+
+__all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
+
+_MASKED = optax.MaskedNode
+
+
+class LossScaledState(NamedTuple):
+    """State of `loss_scaled`.
+
+    Attributes:
+      inner_state: the inner transformation's state, built on the float32 view of the
+        params (master weights where kept, params widened to float32 elsewhere).
+      master: a tree shaped like the params holding the float32 master copy of each
+        floating param that keeps one, and `optax.MaskedNode()` elsewhere (so a model
+        with float32 params pays no extra memory).
+      loss_scale: the current `LossScale` (a pytree).
+      grads_finite: scalar bool, whether the last step's gradients were all finite.
+      skipped_steps: scalar int32, how many steps were skipped in total.
+      consecutive_skips: scalar int32, how many steps in a row were skipped last.
+    """
+
+    inner_state: Any
+    master: Any
+    loss_scale: LossScale
+    grads_finite: jax.Array
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+
+
+class _Candidate:
+    """One floating param's step and new value (deliberately not a pytree: one leaf)."""
+
+    floating = True
+
+    def __init__(self, step: jax.Array, value: jax.Array):
+        self.step, self.value = step, value
+
+
+class _NotFloating:
+    """The candidate of an int/bool param, which is never updated."""
+
+    floating = False
+
+
+def _keeps_master(p: Any, master_weights: bool | str) -> bool:
+    if not _is_floating(p):
+        return False
+    if master_weights == "auto":
+        return jnp.dtype(p.dtype).itemsize < 4
+    return bool(master_weights)
+
+
+def _checks_new_value(target: Any, check_new_values: bool | str) -> bool:
+    if target is None:
+        return False
+    if check_new_values == "auto":
+        return target.dtype == jnp.float16
+    return bool(check_new_values)
+
+
+def _wide(x: jax.Array) -> jax.Array:
+    wide = _wide_dtype(x.dtype)
+    return x if x.dtype == wide else x.astype(wide)
+
+
+def _view(params: Any, master: Any) -> Any:
+    """The float32 view the inner optimizer works on; non-floating leaves are masked."""
+
+    def view(p, m):
+        if not _is_floating(p):
+            return _MASKED()
+        return _wide(p) if isinstance(m, _MASKED) else m
+
+    return jax.tree.map(view, params, master)
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale | None = None,
+    *,
+    master_weights: bool | str = "auto",
+    axis_name: str | tuple[str, ...] | None = None,
+    unscale_and_check: Any = None,
+    max_consecutive_skips: int | str | None = None,
+    check_new_values: bool | str = "auto",
+    skip_impl: str = "auto",
+    impl: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps `inner` with loss scaling, FP32 master weights and finite-check skip steps.
+
+    `update(grads, state, params, **extra)` takes gradients of the *scaled* loss (see
+    `scale_loss`), unscales them to float32, decides finiteness over all gradients
+    (combined across `axis_name` when given, so every device takes the same decision),
+    and runs `inner` on float32 gradients and the float32 master weights. On a finite
+    step the master is updated and `optax.apply_updates(params, updates)` yields the new
+    master cast to each param's dtype. On a non-finite step the updates are zero and the
+    inner state and master are left bit-identical. The loss scale is adjusted either way.
+
+    With `NoOpLossScale()` nothing is scaled, checked or skipped (except a float16 param
+    that would overflow, see `check_new_values`): for float32 params the compiled step is
+    `inner`'s own, and `scale_loss`/`scaling_metrics` still work, so one train step
+    serves fp32, bf16 and fp16 (`loss_scaled(inner, loss_scale_for(precision))`). Use
+    `StaticLossScale(1.0)` to skip non-finite steps without scaling.
+
+    Params may be any pytree optax accepts: dicts, lists, tuples, NamedTuples, custom
+    nodes, and `None` leaves (e.g. an Equinox model filtered with `eqx.is_array`), which
+    stay `None` in the updates. Non-floating leaves of the params (ints, bools) are not
+    shown to `inner`; their updates are zeros of their own dtype, so they pass through
+    untouched.
+
+    `loss_scaled` must be the last transformation of a chain: the master weights follow
+    its own step, so a transformation after it that changes the updates would make the
+    params and master drift apart. Params changed outside the optimizer (clipped,
+    projected, reloaded) need a new `init`: leaves with a master are reset to it.
+
+    For gradient accumulation, put `optax.MultiSteps` inside:
+    `loss_scaled(optax.MultiSteps(inner, k))` (accepted as is). Each micro-batch is then
+    unscaled and checked before it is accumulated, so an overflowing micro-batch is
+    dropped and training goes on. The other nesting, `MultiSteps(loss_scaled(inner), k)`,
+    does not recover: optax resets its accumulator by multiplying with 0, and 0 * NaN
+    stays NaN, so every later window would be skipped.
+
+    Args:
+      inner: the optax transformation to run on unscaled float32 gradients.
+      loss_scale: a `LossScale`; None means `DynamicLossScale()`; `NoOpLossScale()` runs
+        `inner` with no check (see above).
+      master_weights: "auto" keeps a float32 master copy of each floating param stored
+        below float32; True keeps one for every floating param; False keeps none (low
+        precision params are then widened to float32 for each update and rounded back).
+      axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
+        is combined. The gradients themselves are not averaged here.
+      unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`
+        replacing the built-in check; None (the default) checks with
+        `mpjax.pallas.all_finite_unscaled` (which only reads the gradients; see `impl`) and
+        divides by the loss scale inside the inner update, where XLA fuses the multiply (and any
+        convert) into the optimizer's own elementwise kernels.
+      max_consecutive_skips: None (default) puts no dead-run check in the step: call
+        `mpjax.raise_if_diverged(opt_state)` where the loop logs (a host-side read of
+        one counter). An int N, or "auto" for `default_max_consecutive_skips(loss_scale)`
+        (49 for the default `DynamicLossScale`; 25 for a static scale), makes the step
+        that would be the N-th non-finite step in a row raise `TrainingDivergedError`
+        from inside the compiled step, on every platform (it reaches Python as a
+        `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error and the loss
+        scale). That raise is a host callback, which takes every call of the step off
+        JAX's C++ dispatch path (a per-call cost that grows with the state's leaves), so
+        it is opt-in.
+      check_new_values: whether a step with finite gradients is also skipped when the new
+        value of a param would overflow to inf. "auto" checks float16 params (max 65504,
+        the one dtype a finite step overflows in practice); True checks every floating
+        param (bf16/float32 overflow needs updates near 3e38; the check costs one more
+        reduction per leaf); False checks none.
+      skip_impl: how a skipped step keeps the state: "select" computes the step and
+        selects old or new values (fuses into the update on GPU); "cond" runs the step
+        under `lax.cond` (on XLA:CPU, selecting over donated buffers costs a copy of the
+        optimizer state per step); "auto" uses "cond" on CPU and "select" elsewhere.
+        The results are the same.
+      impl: the finite check: "auto" (default) is "xla" on accelerators and, on XLA:CPU,
+        unscales once before the step (`xla_unscale_and_check`: faster there than fusing
+        the multiply into the update). "xla" checks with a few variadic max-`|g|` XLA
+        reductions, one per group of same-sized leaves
+        (`mpjax._src.kernels.grouped_check`), which XLA fuses with whatever produced the
+        gradients (the convert of float16 gradients of float32 params is not
+        materialised); "pallas" (CUDA only) and "interpret" use the multi-tensor Pallas
+        kernel, which reads float32 gradients as fast but cannot absorb a convert before it
+        (a float32 copy of each float16 gradient is written first). The decision is the
+        same: any inf/NaN, or a finite g whose g / loss_scale overflows, skips the step.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from mpjax import loss_scaled
+      >>> tx = loss_scaled(optax.adam(1e-3))
+      >>> params = {"w": jnp.ones((3,), jnp.bfloat16)}
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.ones((3,), jnp.bfloat16)}  # grads of scale_loss(loss, state)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+    """
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "loss_scaled: inner must be an optax GradientTransformation, "
+            f"got {type(inner).__name__}"
+        )
+    if check_new_values not in ("auto", True, False):
+        raise ValueError(
+            f"loss_scaled: check_new_values must be 'auto', True or False, got {check_new_values!r}"
+        )
+    if skip_impl not in ("auto", "cond", "select"):
+        raise ValueError(
+            f"loss_scaled: skip_impl must be 'auto', 'cond' or 'select', got {skip_impl!r}"
+        )
+    if master_weights not in ("auto", True, False):
+        raise ValueError(
+            f"loss_scaled: master_weights must be 'auto', True or False, got {master_weights!r}"
+        )
+    loss_scale = _check_loss_scale(loss_scale)
+    if max_consecutive_skips not in ("auto", None) and (
+        isinstance(max_consecutive_skips, bool)
+        or not isinstance(max_consecutive_skips, int)
+        or max_consecutive_skips < 1
+    ):
+        raise ValueError(
+            f"loss_scaled: max_consecutive_skips must be an int >= 1, 'auto' or None, "
+            f"got {max_consecutive_skips!r}"
+        )
+    inner = optax.with_extra_args_support(inner)
+    if unscale_and_check is None and impl not in IMPLS:
+        raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
+    lazy_unscale = unscale_and_check is None
+
+    def init_fn(params):
+        _check_param_dtypes(params)
+        master = jax.tree.map(
+            lambda p: _wide(p) if _keeps_master(p, master_weights) else _MASKED(), params
+        )
+        # Copy, so that a master never aliases a float32 param buffer.
+        master = jax.tree.map(lambda m: jnp.array(m, copy=True), master)
+        return LossScaledState(
+            inner_state=inner.init(_view(params, master)),
+            master=master,
+            loss_scale=loss_scale,
+            grads_finite=jnp.array(True),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(grads, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError(
+                "loss_scaled: update needs params (it keeps master weights and returns "
+                "updates that land exactly on them); call tx.update(grads, state, params)"
+            )
+        if not isinstance(state, LossScaledState):
+            raise TypeError(
+                f"loss_scaled: state must be a LossScaledState, got {type(state).__name__}"
+            )
+        _check_same_structure(grads, params)
+        if unscale_and_check is not None or impl != "auto":
+            return _update(grads, state, params, extra_args, lazy_unscale, unscale_and_check)
+        # "auto": on XLA:CPU, unscaling once before the step is cheaper than fusing the
+        # multiply into it (benchmarks/step_overhead.py: 1.23x vs 1.44x the bare step's
+        # time); elsewhere the check only reads the gradients and the unscale fuses into
+        # the inner update (benchmarks/kernel_count.py: full fp16 step 1.036x bare bytes).
+        return jax.lax.platform_dependent(
+            grads,
+            state,
+            params,
+            cpu=lambda g, s, p: _update(g, s, p, extra_args, False, xla_unscale_and_check),
+            default=lambda g, s, p: _update(g, s, p, extra_args, True, None),
+        )
+
+    def _update(grads, state, params, extra_args, lazy_unscale, unscale_and_check):
+        """One step; `lazy_unscale`: check only, and unscale inside the inner update."""
+        # NoOpLossScale neither scales nor checks: the step is the inner step (no extra
+        # bytes). Decided by the state's scale, which `with_loss_scale` may have replaced.
+        checks = not isinstance(state.loss_scale, NoOpLossScale)
+        limit = max_consecutive_skips
+        if limit == "auto":
+            limit = default_max_consecutive_skips(state.loss_scale) if checks else None
+        scale = state.loss_scale.loss_scale
+        # The default check only reads the gradients; they are unscaled inside `take_step`.
+        unscale_in_step = checks and lazy_unscale
+        if not checks:
+            step_in, grads_finite = grads, jnp.array(True)
+        elif lazy_unscale:
+            # "auto" is the grouped XLA reduction on every platform: it fuses the convert of
+            # a float16 gradient, which the Pallas custom call cannot absorb.
+            check_impl = "xla" if impl == "auto" else impl
+            step_in, grads_finite = grads, all_finite_unscaled(grads, scale, impl=check_impl)
+        else:
+            step_in, grads_finite = unscale_and_check(grads, scale)
+        grads_finite = jnp.asarray(grads_finite, jnp.bool_)
+        if checks and axis_name is not None:
+            grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
+        is_masked = lambda x: isinstance(x, _MASKED)  # noqa: E731
+
+        def candidate(p, m, v, u):
+            """(step in the wide dtype, new wide value) of one floating leaf."""
+            if not _is_floating(p):
+                return _NotFloating()
+            u = u.astype(v.dtype)
+            if p.dtype == v.dtype and not is_masked(m):
+                # A float32 param with a float32 master: define the new master as the sum
+                # the caller will form, p + d. That add has no multiply beside it, so XLA
+                # cannot contract one side into an FMA and not the other.
+                d = (v + u) - p
+                return _Candidate(d, p + d)
+            return _Candidate(u, v + u)
+
+        def param_step(p, c, target):
+            u = c.step
+            if p.dtype == u.dtype:
+                return u  # p + u is the new value itself
+            wide = u.dtype
+            step = target.astype(wide) - p.astype(wide)
+            # x + (-0.0) == x for every x, signed zeros included; +0.0 is not.
+            same_sign = jnp.signbit(target.astype(wide)) == jnp.signbit(p.astype(wide))
+            return jnp.where((step == 0) & same_sign, jnp.array(-0.0, wide), step)
+
+        def take_step(step_in):
+            """The step on finite gradients: (updates, inner state, master, values finite)."""
+            # Unscaled here, so the multiply fuses into the inner update's kernels instead of
+            # writing an unscaled copy of every gradient.
+            unscaled = unscale_tree(step_in, scale) if unscale_in_step else step_in
+            view = _view(params, state.master)
+            inner_grads = jax.tree.map(
+                lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled
+            )
+            inner_updates, new_inner = inner.update(
+                inner_grads, state.inner_state, view, **extra_args
+            )
+            # Mapped over the params' structure (None leaves, tuples and NamedTuples stay
+            # nodes); a candidate is one opaque leaf per param.
+            cands = jax.tree.map(candidate, params, state.master, view, inner_updates)
+            targets = jax.tree.map(
+                lambda p, c: c.value.astype(p.dtype) if c.floating else None, params, cands
+            )
+            # A step with finite gradients can still overflow a param near the top of its
+            # range: it is then skipped too.
+            checked = [
+                t for t in jax.tree.leaves(targets) if _checks_new_value(t, check_new_values)
+            ]
+            ok = all_finite(checked)
+            if checked and axis_name is not None:
+                ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+            new_master = jax.tree.map(
+                lambda p, m, c: m if is_masked(m) else jnp.where(ok, c.value, m),
+                params,
+                state.master,
+                cands,
+            )
+            updates = jax.tree.map(
+                lambda p, c, t: (
+                    jnp.where(ok, param_step(p, c, t), jnp.array(-0.0, c.step.dtype))
+                    if c.floating
+                    else jnp.zeros_like(p)
+                ),
+                params,
+                cands,
+                targets,
+            )
+            if checked:
+                new_inner = select_tree(ok, new_inner, state.inner_state)
+            return updates, new_inner, new_master, ok
+
+        def skip_step(step_in):
+            del step_in
+            updates = jax.tree.map(
+                lambda p: (
+                    jnp.full(p.shape, -0.0, _wide_dtype(p.dtype))
+                    if _is_floating(p)
+                    else jnp.zeros_like(p)
+                ),
+                params,
+            )
+            return updates, state.inner_state, state.master, jnp.array(False)
+
+        def by_cond(step_in):
+            return jax.lax.cond(grads_finite, take_step, skip_step, step_in)
+
+        def by_select(step_in):
+            return select_tree(grads_finite, take_step(step_in), skip_step(step_in))
+
+        if not checks:  # nothing to skip on (a float16 overflow check may still skip)
+            updates, new_inner, new_master, ok = take_step(step_in)
+            floating = [p for p in jax.tree.leaves(params) if _is_floating(p)]
+            if not any(_checks_new_value(p, check_new_values) for p in floating):
+                # Nothing can skip: the counters are forwarded, not recomputed, so the
+                # step is exactly the inner step.
+                return updates, state._replace(inner_state=new_inner, master=new_master)
+        elif skip_impl == "cond":
+            updates, new_inner, new_master, ok = by_cond(step_in)
+        elif skip_impl == "select":
+            updates, new_inner, new_master, ok = by_select(step_in)
+        else:
+            updates, new_inner, new_master, ok = jax.lax.platform_dependent(
+                step_in, cpu=by_cond, default=by_select
+            )
+        finite = jnp.logical_and(grads_finite, ok)
+        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
+        if limit is not None:
+            raise_in_step_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
+        new_state = LossScaledState(
+            inner_state=new_inner,
+            master=new_master,
+            loss_scale=state.loss_scale.adjust(grads_finite),
+            grads_finite=grads_finite,
+            skipped_steps=state.skipped_steps + skipped,
+            consecutive_skips=consecutive,
+        )
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,168 @@
+"""Helpers that find `loss_scaled`'s state anywhere in an optimizer state tree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpjax._src.scaling.config import default_max_consecutive_skips
+from mpjax._src.scaling.diagnostics import TrainingDivergedError, diverged_message
+from mpjax._src.scaling.loss_scale import NoOpLossScale
+from mpjax._src.scaling.loss_scaled import LossScaledState
+
+__all__ = [
+    "find_loss_scaled_state",
+    "get_loss_scale",
+    "raise_if_diverged",
+    "scale_loss",
+    "scaling_metrics",
+]
+
+
+def _unwrap(x: Any) -> Any:
+    """Unwraps a flax.nnx Variable (nnx.Optimizer stores opt_state leaves in them).
+
+    Recognised by its protocol (`get_value`), so this layer does not import Flax.
+    """
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
+        return x
+    get_value = getattr(x, "get_value", None)
+    if callable(get_value):
+        return get_value()
+    if type(x).__module__.startswith("flax.nnx") and hasattr(x, "value"):
+        return x.value  # flax versions whose Variables have no get_value
+    return x
+
+
+def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
+    """Finds the one `LossScaledState` anywhere in an optimizer state tree.
+
+    Works through `optax.chain`, `optax.MultiSteps`, flax `TrainState.opt_state` and
+    `flax.nnx.Optimizer.opt_state`.
+
+    Raises:
+      ValueError: if there is none, or more than one.
+    """
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
+        if isinstance(x, LossScaledState)
+    ]
+    if not found:
+        raise ValueError(
+            "no mpjax.loss_scaled state found in this optimizer state "
+            f"({type(opt_state).__name__}); build the optimizer with mpjax.loss_scaled(...)"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"{len(found)} mpjax.loss_scaled states found in this optimizer state; "
+            "pass the sub-state of the one you mean"
+        )
+    return jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
+
+
+def get_loss_scale(opt_state: Any) -> jax.Array:
+    """Returns the current loss scale held anywhere in `opt_state`, a float32 scalar array.
+
+    Ready to log (`float(get_loss_scale(opt_state))`); the `LossScale` object itself (to
+    call `.scale`/`.unscale`, or read a dynamic scale's counter) is
+    `find_loss_scaled_state(opt_state).loss_scale`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from mpjax import get_loss_scale, loss_scaled
+      >>> float(get_loss_scale(loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
+      32768.0
+    """
+    return find_loss_scaled_state(opt_state).loss_scale.loss_scale
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """Multiplies `loss` by the current loss scale of `opt_state`, in float32.
+
+    A Python number is scaled too (as a float32 array).
+
+    Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from mpjax import loss_scaled, scale_loss
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = loss_scaled(optax.sgd(0.1)).init(params)  # scale 2**15
+      >>> jax.grad(lambda p: scale_loss(jnp.sum(p["w"]), opt_state))(params)["w"]
+      Array([32768., 32768.], dtype=float32)
+    """
+    return find_loss_scaled_state(opt_state).loss_scale.scale(loss)
+
+
+def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
+    """Scalar arrays ready to log: `loss_scale`, `grads_finite`, `skipped_steps`,
+    `consecutive_skips`."""
+    state = find_loss_scaled_state(opt_state)
+    return {
+        "loss_scale": state.loss_scale.loss_scale,
+        "grads_finite": state.grads_finite,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+    }
+
+
+def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str | None = "auto") -> None:
+    """Raises `TrainingDivergedError` if the run has had too many non-finite steps in a row.
+
+    A host-side check, outside `jax.jit`: it reads one counter of the state (a
+    device-to-host copy of a scalar), so the compiled step stays free of host callbacks.
+    Call it where the training loop logs. Under pmap (a replicated state) the largest
+    count over the replicas is checked. The limit is this function's own argument
+    (`loss_scaled`'s `max_consecutive_skips` is the in-step raise).
+
+    Args:
+      opt_state: an optimizer state holding a `loss_scaled` state anywhere.
+      max_consecutive_skips: the limit: an int, "auto" (default) for
+        `default_max_consecutive_skips(loss_scale)` (49 for the default
+        `DynamicLossScale`; no check for `NoOpLossScale`, which scales nothing), or None
+        (no check: one loop can serve runs that skip by design).
+
+    Raises:
+      TrainingDivergedError: when `consecutive_skips >= max_consecutive_skips`.
+      TypeError: when called on traced values (inside `jax.jit`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import mpjax
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx = mpjax.loss_scaled(optax.sgd(0.1), mpjax.StaticLossScale(1.0))
+      >>> opt_state = tx.init(params)
+      >>> for step in range(30):  # every step overflows
+      ...     _, opt_state = tx.update({"w": jnp.full(2, jnp.inf)}, opt_state, params)
+      ...     if step % 10 == 9:
+      ...         mpjax.raise_if_diverged(opt_state)  # where the loop logs
+      Traceback (most recent call last):
+      ...
+      TrainingDivergedError: ...
+    """
+    state = find_loss_scaled_state(opt_state)
+    limit = max_consecutive_skips
+    if limit is None or (limit == "auto" and isinstance(state.loss_scale, NoOpLossScale)):
+        return
+    if limit == "auto":
+        limit = default_max_consecutive_skips(state.loss_scale)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(
+            "raise_if_diverged: max_consecutive_skips must be an int >= 1, 'auto' or None, "
+            f"got {limit!r}"
+        )
+    if isinstance(state.consecutive_skips, jax.core.Tracer):
+        raise TypeError(
+            "raise_if_diverged reads the state on the host: call it outside jax.jit "
+            "(loss_scaled(..., max_consecutive_skips=N) raises inside the step instead)"
+        )
+    consecutive = int(np.max(np.asarray(state.consecutive_skips)))
+    if consecutive >= limit:
+        scale = float(np.min(np.asarray(state.loss_scale.loss_scale)))
+        source = f"mpjax.raise_if_diverged(max_consecutive_skips={max_consecutive_skips!r})"
+        raise TrainingDivergedError(diverged_message(consecutive, limit, scale, source))

@@ -1,0 +1,31 @@
+"""Float8 training: `Fp8Recipe`, quantisation with current scaling and the fp8 `dot_general`."""
+
+from mpjax._src.autocast.fp8_report import Fp8Op, fp8_ops
+from mpjax._src.flax.fp8_nnx import Fp8Meta, update_nnx_fp8_meta
+from mpjax._src.fp8.conv import fp8_conv_1x1
+from mpjax._src.fp8.delayed import FP8_META, delayed_fp8_dot_general, init_fp8_meta, update_fp8_meta
+from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
+from mpjax._src.fp8.quant import amax, compute_scale, dequantize, fp8_max, quantize
+from mpjax._src.fp8.recipe import FP8_DTYPES, Fp8Recipe, Fp8Site
+
+__all__ = [
+    "amax",
+    "compute_scale",
+    "delayed_fp8_dot_general",
+    "dequantize",
+    "fp8_conv_1x1",
+    "fp8_dot_general",
+    "FP8_DTYPES",
+    "fp8_eligible",
+    "fp8_max",
+    "FP8_META",
+    "fp8_ops",
+    "Fp8Meta",
+    "Fp8Op",
+    "Fp8Recipe",
+    "Fp8Site",
+    "init_fp8_meta",
+    "quantize",
+    "update_fp8_meta",
+    "update_nnx_fp8_meta",
+]

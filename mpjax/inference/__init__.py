@@ -1,6 +1,0 @@
-"""Inference conversion: fold BatchNorm into Conv/Dense, cast to a policy, drop training state."""
-
-from mpjax.inference.convert import InferenceModel, convert_for_inference, fold_batchnorm_params
-from mpjax.inference.trace import FoldReport
-
-__all__ = ["FoldReport", "InferenceModel", "convert_for_inference", "fold_batchnorm_params"]

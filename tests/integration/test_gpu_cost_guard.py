@@ -1,0 +1,151 @@
+"""CI guard: mpjax's GPU programs (deviceless H100 compile, GPU cost model) are no worse than
+the hand-written Flax bf16 anchor in what the HLO shows.
+
+The cost model (`benchmarks/gpu_cost_model.py --quick`) and the optimizer-step count
+(`benchmarks/kernel_count.py`, 120 leaves) run in a subprocess under the python named by
+`$MPJAX_GPU_AOT_PYTHON` (a second environment with the `gpu-aot` wheels; `.ci/run` makes it),
+with `JAX_PLATFORMS=cpu`, so this suite's environment keeps no CUDA plugin. Without the
+variable the guard fails under CI (`CI=true`) and is skipped elsewhere, saying why.
+
+Checks, per (model, mpjax low-precision variant), against the anchor `bf16` of the same run:
+- `f32-matmul`: no more float32 dots/convolutions than the anchor has;
+- `converts`: convert ops <= 1.05x the anchor's; `convert-kernels` (materialised casts)
+  <= ceil(1.05x) the anchor's;
+- `temp`: temp memory <= 1.02x; `roofline`: <= 1.01x (fp16 + loss scaling: 1.02x).
+Loss scaling: the loss-scaled optimizer step <= 1.15x the bare optax step's bytes and
+<= 130 kernels (120 leaves); the full fp16 train step (the cost model's models and
+kernel_count's MLP) <= 1.05x the same step without scaling.
+
+Checks failing on today's code are marked `xfail(strict=True)` with the reason: when a fix
+lands the check passes, strict xfail turns that into a failure, and the mark goes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.helpers.gpu import _run_json
+
+TEMP_MARGIN, ROOFLINE_MARGIN, FP16_ROOFLINE_MARGIN, CONVERT_MARGIN = 1.02, 1.01, 1.02, 1.05
+OPT_BYTES_MARGIN, OPT_MAX_KERNELS, FP16_STEP_BYTES_MARGIN = 1.15, 130, 1.05
+
+KNOWN_FAILING = {
+    # Quick size only (14 MiB of temp): the fp16 LM without loss scaling is already 1.054x
+    # the bf16 anchor's temp there, with loss scaling 1.072x; at full size 1.001x
+    # (benchmarks/RESULTS.md), within the margin.
+    ("lm", "fp16-scaled", "temp"): "quick-size fp16 LM temp buffers; 1.001x at full size",
+}
+MPJAX_PATHS = {
+    "resnet": (
+        "policy",
+        "policy-rules",
+        "autocast",
+        "fp16-scaled",
+        "convbn",
+        "convbn-xla",
+        "convbn-rules",
+        "convbn-rules-xla",
+    ),
+    "lm": ("policy", "policy-rules", "autocast", "fp16-scaled"),
+}
+CHECKS = ("f32-matmul", "converts", "convert-kernels", "temp", "roofline")
+
+
+def _case(model, variant, check):
+    reason = KNOWN_FAILING.get((model, variant, check))
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return pytest.param(model, variant, check, marks=marks, id=f"{model}-{variant}-{check}")
+
+
+@pytest.fixture(scope="module")
+def cost(tmp_path_factory):
+    data = _run_json("benchmarks/gpu_cost_model.py", "--quick", tmp=tmp_path_factory.mktemp("c"))
+    return {(r["model"], r["variant"]): r for r in data["details"]}
+
+
+@pytest.fixture(scope="module")
+def opt_step(tmp_path_factory):
+    data = _run_json("benchmarks/kernel_count.py", tmp=tmp_path_factory.mktemp("k"))
+    assert data["n_leaves"] == 120
+    return data["details"]
+
+
+def _f32_matmuls(r: dict) -> int:
+    counts = {**r["gemms_by_dtype"]}
+    for key, n in r["convs_by_dtype"].items():
+        counts[key] = counts.get(key, 0) + n
+    return sum(n for key, n in counts.items() if "f32" in key.split("x"))
+
+
+@pytest.mark.slow
+def test_cost_model_sees_float32_matmuls_and_the_anchor_has_none(cost):
+    for model in MPJAX_PATHS:
+        fp32, anchor = cost[(model, "fp32")], cost[(model, "bf16")]
+        assert _f32_matmuls(fp32) > 0 and _f32_matmuls(anchor) == 0, model
+        assert fp32["roofline_s"] > 1.2 * anchor["roofline_s"], model  # bf16 pays on the model
+        assert fp32["temp_bytes"] > anchor["temp_bytes"], model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,variant,check",
+    [_case(m, v, c) for m, variants in MPJAX_PATHS.items() for v in variants for c in CHECKS],
+)
+def test_mpjax_path_no_worse_than_hand_written_bf16(cost, model, variant, check):
+    r, anchor = cost[(model, variant)], cost[(model, "bf16")]
+    if check == "f32-matmul":
+        assert _f32_matmuls(r) <= _f32_matmuls(anchor), (r["gemms_by_dtype"], r["convs_by_dtype"])
+    elif check == "converts":
+        assert r["converts"] <= CONVERT_MARGIN * anchor["converts"], (r, anchor["converts"])
+    elif check == "convert-kernels":
+        limit = math.ceil(CONVERT_MARGIN * anchor["convert_kernels"])
+        assert r["convert_kernels"] <= limit, (r["convert_kernels"], limit)
+    elif check == "temp":
+        ratio = r["temp_bytes"] / anchor["temp_bytes"]
+        assert ratio <= TEMP_MARGIN, f"temp {ratio:.3f}x the anchor's"
+    else:
+        margin = FP16_ROOFLINE_MARGIN if variant.startswith("fp16") else ROOFLINE_MARGIN
+        ratio = r["roofline_s"] / anchor["roofline_s"]
+        assert ratio <= margin, f"roofline {ratio:.3f}x the anchor's"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MPJAX_PATHS))
+def test_fp16_train_step_bytes_near_the_unscaled_step(cost, model):
+    ratio = cost[(model, "fp16-scaled")]["bytes"] / cost[(model, "fp16-bare")]["bytes"]
+    assert ratio <= FP16_STEP_BYTES_MARGIN, f"{ratio:.3f}x the bytes of the unscaled step"
+
+
+@pytest.mark.slow
+def test_fp16_mlp_train_step_bytes_near_the_unscaled_step(opt_step):
+    """kernel_count's full fp16 train step (60-layer MLP): mpjax's default vs the bare step."""
+    by_name = {d["pattern"]: d for d in opt_step}
+    bare = by_name["full fp16 train step: bare optax adam"]
+    ratio = by_name["full fp16 train step: mpjax.loss_scaled(adam)"]["bytes"] / bare["bytes"]
+    assert ratio <= FP16_STEP_BYTES_MARGIN, f"{ratio:.3f}x the bytes of the unscaled step"
+
+
+def _opt_rows(opt_step):
+    by_name = {(d["pattern"], d["params"]): d for d in opt_step}
+    bare = by_name[("optax.adam (no loss scaling)", "f32")]
+    scaled = [d for d in opt_step if d["pattern"] == "mpjax.loss_scaled(adam) (default)"]
+    assert len(scaled) == 2, by_name.keys()  # float32 params, bf16 params with float32 master
+    return bare, scaled
+
+
+@pytest.mark.slow
+def test_loss_scaled_optimizer_step_bytes(opt_step):
+    bare, scaled = _opt_rows(opt_step)
+    for d in scaled:
+        ratio = d["bytes"] / bare["bytes"]
+        assert ratio <= OPT_BYTES_MARGIN, f"{d['params']}: {ratio:.3f}x bare optax adam's bytes"
+
+
+@pytest.mark.slow
+def test_loss_scaled_optimizer_step_kernels(opt_step):
+    bare, scaled = _opt_rows(opt_step)
+    assert bare["kernels"] >= 120  # at least one kernel per leaf: the count is real
+    for d in scaled:
+        assert d["kernels"] <= OPT_MAX_KERNELS, f"{d['params']}: {d['kernels']} kernels"
