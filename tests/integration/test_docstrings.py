@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import pkgutil
+from pathlib import Path
 
 import pytest
 
 import mpjax
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(mpjax.__path__, "mpjax."))
+PACKAGE = Path(mpjax.__file__).parent
+# every module file, `_src` included (a namespace package, which pkgutil does not walk)
+MODULES = sorted(
+    ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    for p in PACKAGE.rglob("*.py")
+    if p.name != "__main__.py"
+)
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.IGNORE_EXCEPTION_DETAIL
 
 

@@ -336,7 +336,7 @@ def apply_linen_policy(
       `"fp8_meta"` collection under `fp8`).
 
     Example:
-      >>> from mpjax.policy.linen import apply_linen_policy
+      >>> from mpjax._src.flax.linen import apply_linen_policy
       >>> import flax.linen as nn, jax, jax.numpy as jnp
       >>> model = apply_linen_policy(nn.Dense(3), "params=float32,compute=bfloat16")
       >>> v = model.init(jax.random.key(0), jnp.ones((1, 2)))

@@ -309,7 +309,7 @@ def apply_nnx_policy(
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from mpjax.policy.nnx import apply_nnx_policy
+      >>> from mpjax._src.flax.nnx import apply_nnx_policy
       >>> model = apply_nnx_policy(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "p=f32,c=bf16")
       >>> model(jnp.ones((1, 2))).dtype  # matmul in bfloat16, logits leave in float32
       dtype('float32')

@@ -163,6 +163,7 @@ def trace_conversion(
       >>> import jax.numpy as jnp
       >>> import flax.linen as nn
       >>> import mpjax
+      >>> from mpjax._src.inference.steps import trace_conversion
       >>> class Net(nn.Module):
       ...     @nn.compact
       ...     def __call__(self, x, train):
@@ -170,7 +171,6 @@ def trace_conversion(
       ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
       >>> model, x = Net(), jnp.ones((3, 8))
       >>> variables = model.init(jax.random.key(0), x, train=False)
-      >>> from mpjax.inference.steps import trace_conversion
       >>> plan = trace_conversion(
       ...     model, variables, "compute=bfloat16", x[:1], apply_kwargs={"train": False}
       ... )
