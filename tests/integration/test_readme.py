@@ -26,7 +26,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 NOT_RUN = {"bash", "console", "text", "toml"}
 
-_FENCE = re.compile(r"^```(\S*)\s*$")
+_FENCE = re.compile(r"^```(\S*)(?:\s.*)?$")
 _DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(\w+)(.*?)-->", re.S)
 
 
@@ -80,10 +80,10 @@ def check_blocks(blocks: list[dict], where: str) -> None:
 
 def test_blocks_are_found_and_parsed():
     text = "a\n<!-- docs-test: skip needs 2 hosts -->\n```python\nA\n```\n```bash\nB\n```\n"
-    text += "```{toctree}\nC\n```\n```python\nD\n```\n"
+    text += "```{include} x.md\nC\n```\n```python\nD\n```\n"
     blocks = code_blocks(text)
     assert [b["line"] for b in blocks] == [3, 6, 9, 12]
-    assert [b["lang"] for b in blocks] == ["python", "bash", "{toctree}", "python"]
+    assert [b["lang"] for b in blocks] == ["python", "bash", "{include}", "python"]
     assert blocks[0]["directive"] == ("skip", "needs 2 hosts")
     assert [b["code"] for b in blocks] == ["A", "B", "C", "D"]
     assert blocks[3]["directive"] is None
