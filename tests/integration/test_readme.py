@@ -1,13 +1,14 @@
-"""The README's ```python blocks run as written.
+"""Every code block of the README and of `docs/` runs as written.
 
 Convention (for anyone adding a block):
-- Blocks run in README order, in one namespace, after `PREAMBLE` below (imports and tiny stand-ins
-  for the placeholders the README uses: `model`, `params`, `x`, `y`, `loss_fn`, `MyModel`, ...).
-- `<!-- readme-test: setup ... -->` right before a block runs the hidden code in it first (define
-  the block's own placeholders there; it does not show on the rendered page).
-- `<!-- readme-test: skip REASON -->` right before a block skips it; only for what cannot run
-  here (several hosts, a GPU).
-A failure names the block by its README line number.
+- Each page (README.md, each docs/**/*.md) runs in a fresh, empty namespace: its ```python blocks
+  run in page order, so the first one is a complete program (imports included) and later blocks
+  may use what earlier blocks on the same page defined. There is no hidden setup.
+- A ```python block that cannot run here (several hosts, a GPU) is marked right before it with
+  `<!-- docs-test: skip REASON -->`; the reason is required.
+- Blocks in other languages are not run; only the languages in `NOT_RUN` are allowed (a shell
+  command is ```bash, program output ```text), and MyST directives (```{toctree}) are not code.
+A failure names the block by its file and line.
 """
 
 from __future__ import annotations
@@ -20,52 +21,23 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+NOT_RUN = {"bash", "console", "text", "toml"}
 
-PREAMBLE = """
-import functools
-from typing import Any
-
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
-import mpjax
-
-rng_np = np.random.default_rng(0)
-rng = jax.random.key(0)
-x = jnp.asarray(rng_np.standard_normal((8, 4)), jnp.float32)
-y = jnp.asarray(rng_np.standard_normal((8, 2)), jnp.float32)
-params = {"w": jnp.asarray(rng_np.standard_normal((4, 2)), jnp.float32), "b": jnp.zeros(2)}
+_FENCE = re.compile(r"^```(\S*)(?:\s.*)?$")
+_DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(\w+)(.*?)-->", re.S)
 
 
-def model(p, x):
-    return x @ p["w"] + p["b"]
+def doc_pages() -> list[Path]:
+    """README.md and every Markdown page of the docs (not build outputs)."""
+    pages = sorted(p for p in DOCS.rglob("*.md") if not p.relative_to(DOCS).parts[0][0] == "_")
+    return [README, *pages]
 
 
-def mse_loss(params, x, y):
-    return ((model(params, x) - y) ** 2).mean()
-
-
-loss_fn = mse_loss
-
-
-class MyModel(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(2)(nn.relu(nn.Dense(8)(x)))
-"""
-
-_FENCE = re.compile(r"^```(\w*)\s*$")
-_DIRECTIVE = re.compile(r"<!--\s*readme-test:\s*(skip|setup)\b(.*?)-->", re.S)
-
-
-def readme_blocks(text: str) -> list[dict]:
-    """The ```python blocks of `text` with their line numbers and any directive before them."""
+def code_blocks(text: str) -> list[dict]:
+    """The fenced blocks of `text`: language, first line, code and the directive before it."""
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -75,80 +47,112 @@ def readme_blocks(text: str) -> list[dict]:
             continue
         start, lang = i, m.group(1)
         j = i + 1
-        while j < len(lines) and not lines[j].startswith("```"):
+        while j < len(lines) and lines[j].rstrip() != "```":
             j += 1
-        if lang == "python":
-            before = "\n".join(lines[:start]).rstrip()
-            directive = None
-            d = list(_DIRECTIVE.finditer(before))
-            if d and d[-1].end() == len(before):
-                directive = (d[-1].group(1), d[-1].group(2).strip("\n "))
-            blocks.append(
-                {"line": start + 1, "code": "\n".join(lines[start + 1 : j]), "directive": directive}
-            )
+        before = "\n".join(lines[:start]).rstrip()
+        directive = None
+        d = list(_DIRECTIVE.finditer(before))
+        if d and d[-1].end() == len(before):
+            directive = (d[-1].group(1), d[-1].group(2).strip("\n "))
+        code = "\n".join(lines[start + 1 : j])
+        blocks.append({"line": start + 1, "lang": lang, "code": code, "directive": directive})
         i = j + 1
     return blocks
 
 
-def test_readme_blocks_are_found_and_parsed():
-    text = "a\n<!-- readme-test: skip needs 2 hosts -->\n```python\nA\n```\n```bash\nB\n```\n"
-    text += "<!-- readme-test: setup\nq = 1\n-->\n```python\nC\n```\n```python\nD\n```\n"
-    blocks = readme_blocks(text)
-    assert [b["line"] for b in blocks] == [3, 12, 15]
+def check_blocks(blocks: list[dict], where: str) -> None:
+    """Raises AssertionError for a block whose language or directive breaks the convention."""
+    for b in blocks:
+        at = f"{where}:{b['line']}"
+        lang, directive = b["lang"], b["directive"]
+        if lang.startswith("{"):
+            continue  # a MyST directive, not code
+        assert lang == "python" or lang in NOT_RUN, (
+            f"{at}: a ```{lang or '(no language)'} block; use python, or one of {sorted(NOT_RUN)}"
+        )
+        if directive is None:
+            continue
+        kind, reason = directive
+        assert kind == "skip", f"{at}: unknown directive docs-test: {kind} (only skip)"
+        assert lang == "python", f"{at}: docs-test: skip before a ```{lang} block, which never runs"
+        assert reason, f"{at}: a skipped block must say why"
+
+
+def test_blocks_are_found_and_parsed():
+    text = "a\n<!-- docs-test: skip needs 2 hosts -->\n```python\nA\n```\n```bash\nB\n```\n"
+    text += "```{include} x.md\nC\n```\n```python\nD\n```\n"
+    blocks = code_blocks(text)
+    assert [b["line"] for b in blocks] == [3, 6, 9, 12]
+    assert [b["lang"] for b in blocks] == ["python", "bash", "{include}", "python"]
     assert blocks[0]["directive"] == ("skip", "needs 2 hosts")
-    assert blocks[1]["directive"] == ("setup", "q = 1")
-    assert [b["code"] for b in blocks] == ["A", "C", "D"]
-    assert blocks[2]["directive"] is None
+    assert [b["code"] for b in blocks] == ["A", "B", "C", "D"]
+    assert blocks[3]["directive"] is None
+    check_blocks(blocks, "t.md")
 
 
-def run_blocks(text: str, preamble: str = PREAMBLE) -> list[int]:
-    """Runs the blocks; returns the lines run. Raises AssertionError naming the failing block."""
-    module = types.ModuleType("readme_blocks")  # dataclasses (flax.struct) look their module up
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("```py\nx\n```\n", "a ```py block"),
+        ("```\nx\n```\n", "(no language)"),
+        ("<!-- docs-test: skip -->\n```python\nx\n```\n", "must say why"),
+        ("<!-- docs-test: skip shell -->\n```bash\nx\n```\n", "never runs"),
+        ("<!-- docs-test: setup\nx = 1\n-->\n```python\nx\n```\n", "unknown directive"),
+    ],
+)
+def test_a_block_breaking_the_convention_is_refused(text, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check_blocks(code_blocks(text), "t.md")
+
+
+def run_blocks(text: str, where: str = "README.md") -> list[int]:
+    """Runs the page's python blocks in one fresh namespace; returns the lines run.
+
+    Raises AssertionError naming the failing block by `where` and line.
+    """
+    blocks = code_blocks(text)
+    check_blocks(blocks, where)
+    module = types.ModuleType("doc_blocks")  # dataclasses (flax.struct) look their module up
     sys.modules[module.__name__] = module
     try:
-        return _run_in(module.__dict__, text, preamble)
+        return _run_in(module.__dict__, blocks, where)
     finally:
         del sys.modules[module.__name__]
 
 
-def _run_in(namespace: dict, text: str, preamble: str) -> list[int]:
-    exec(compile(preamble, "<readme preamble>", "exec"), namespace)
+def _run_in(namespace: dict, blocks: list[dict], where: str) -> list[int]:
     ran = []
-    for block in readme_blocks(text):
-        kind, arg = block["directive"] or (None, None)
-        if kind == "skip":
-            assert arg, f"README.md:{block['line']}: a skipped block must say why"
+    for block in blocks:
+        if block["lang"] != "python" or block["directive"]:
             continue
-        where = f"README.md:{block['line']}"
+        at = f"{where}:{block['line']}"
         try:
-            if kind == "setup":
-                exec(compile(arg, f"{where} (setup)", "exec"), namespace)
-            exec(compile(block["code"], where, "exec"), namespace)
+            exec(compile(block["code"], at, "exec"), namespace)
         except Exception as e:  # noqa: BLE001 - reported with the block's line
             tb = "".join(traceback.format_exception(e)[-6:])
-            raise AssertionError(f"the python block at {where} fails:\n{tb}") from e
+            raise AssertionError(f"the python block at {at} fails:\n{tb}") from e
         ran.append(block["line"])
     return ran
 
 
 def test_a_failing_block_is_named_by_its_line():
     text = "```python\nz = 1\n```\n\n```python\nz = undefined_name\n```\n"
-    try:
-        run_blocks(text, preamble="")
-    except AssertionError as e:
-        assert "README.md:5" in str(e) and "undefined_name" in str(e)
-    else:
-        raise AssertionError("a failing block was not reported")
+    with pytest.raises(AssertionError, match=r"page\.md:5(.|\n)*undefined_name"):
+        run_blocks(text, "page.md")
+
+
+def test_a_page_starts_from_an_empty_namespace():
+    run_blocks("```python\nq = 1\n```\n", "a.md")
+    with pytest.raises(AssertionError, match="name 'q' is not defined"):
+        run_blocks("```python\nq\n```\n", "b.md")
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run():
-    text = README.read_text()
-    ran = run_blocks(text)
-    assert ran, "no python block ran"
-    for section in ("## BatchNorm models", "## NNX"):
-        start = text.index(section)
-        end = text.find("\n## ", start + 1)
-        lines = range(text[:start].count("\n") + 1, text[:end].count("\n") + 1)
-        inside = [b["line"] for b in readme_blocks(text) if b["line"] in lines]
-        assert inside and set(inside) <= set(ran), f"{section}: blocks {inside}, ran {ran}"
+@pytest.mark.parametrize("page", doc_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_code_blocks_run(page):
+    text = page.read_text()
+    ran = run_blocks(text, str(page.relative_to(ROOT)))
+    python_blocks = [b for b in code_blocks(text) if b["lang"] == "python"]
+    if page == README or page.parent.name == "guides" or page.stem == "getting_started":
+        assert python_blocks, f"{page.name}: a guide starts from a complete runnable program"
+        assert ran and ran[0] == python_blocks[0]["line"], f"{page.name}: its first block ran"

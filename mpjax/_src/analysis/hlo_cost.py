@@ -23,8 +23,13 @@ Peaks are the H100 SXM data-sheet dense figures (NVIDIA H100 Tensor Core GPU dat
 float32 dots and convolutions run as TF32 on tensor cores under XLA's default precision.
 
 Example:
-  >>> report = analyze(compiled.as_text())
-  >>> report.roofline_s, report.kernels_by_kind
+  >>> import jax
+  >>> import jax.numpy as jnp
+  >>> from mpjax._src.analysis.hlo_cost import analyze
+  >>> x = jnp.ones((64, 64))
+  >>> report = analyze(jax.jit(lambda x: x @ x).trace(x).lower().compile().as_text())
+  >>> report.gemm_flops  # 2 * 64**3
+  {'f32': 524288}
 """
 
 from __future__ import annotations
@@ -533,7 +538,13 @@ def analyze(hlo_text: str) -> HloReport:
       An `HloReport`.
 
     Example:
-      >>> analyze(jax.jit(f).trace(x).lower().compile().as_text()).roofline_s
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.analysis.hlo_cost import analyze
+      >>> x = jnp.ones((64, 64))
+      >>> report = analyze(jax.jit(lambda x: x @ x).trace(x).lower().compile().as_text())
+      >>> report.gemm_flops  # 2 * 64**3
+      {'f32': 524288}
     """
     comps, entry = parse_module(hlo_text)
     kernels: list[Kernel] = []

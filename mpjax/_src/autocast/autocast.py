@@ -473,6 +473,8 @@ def autocast(
         accumulation dtype, naming the culprit.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import autocast
       >>> f = autocast(lambda x, w: jnp.tanh(x @ w), "p=f32,c=bf16,o=f32")
       >>> f(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype
       dtype('float32')

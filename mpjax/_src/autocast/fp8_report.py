@@ -70,12 +70,15 @@ def fp8_ops(fun: Callable, recipe: Fp8Recipe, *args: Any) -> list[Fp8Op]:
     Args:
       fun: the function (array arguments only; bind the others with `functools.partial`).
       recipe: the `Fp8Recipe`.
-      *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+      *args: example arguments (arrays or `jax.ShapeDtypeStruct` values).
 
     Returns:
       A list of `Fp8Op`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import Fp8Recipe
+      >>> from mpjax.fp8 import fp8_ops
       >>> f = lambda x, w: x @ w
       >>> [op.fp8 for op in fp8_ops(f, Fp8Recipe(), jnp.ones((64, 64)), jnp.ones((64, 64)))]
       [True]

@@ -182,6 +182,7 @@ class OpLists:
         value normalised by broadcast float32 statistics in the compute dtype).
 
     Example:
+      >>> from mpjax import OpLists
       >>> lists = OpLists().with_added(fp32=["tanh"]).with_removed("argmax")
       >>> "tanh" in lists.fp32, "argmax" in lists.fp32
       (True, False)

@@ -111,6 +111,7 @@ def half_dtype() -> np.dtype:
       `dtype(bfloat16)` when the first local device is a TPU, else `dtype(float16)`.
 
     Example:
+      >>> from mpjax import half_dtype
       >>> half_dtype()  # on CPU or GPU
       dtype('float16')
     """
@@ -128,6 +129,8 @@ def cast_to_full(tree: Any) -> Any:
       The same structure with float32 floating arrays.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import cast_to_full
       >>> cast_to_full({"w": jnp.ones(2, jnp.bfloat16), "step": 3})["w"].dtype
       dtype('float32')
     """
@@ -144,6 +147,8 @@ def cast_to_half(tree: Any) -> Any:
       The same structure with floating arrays in `half_dtype()` (float16 off TPU).
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import cast_to_half
       >>> cast_to_half(jnp.ones(2)).dtype  # on CPU or GPU
       dtype('float16')
     """
@@ -163,6 +168,7 @@ class Policy:
       output_dtype: dtype a module's outputs leave in.
 
     Example:
+      >>> from mpjax import Policy
       >>> p = Policy("float32", "bfloat16", "float32")
       >>> str(p)
       'params=float32,compute=bfloat16,output=float32'
@@ -197,6 +203,7 @@ class Policy:
         """Returns this policy with `param_dtype` replaced (a dtype or a name such as "f32").
 
         Example:
+          >>> from mpjax import get_policy
           >>> get_policy("c=bf16").with_param_dtype("bf16") == get_policy("bf16")
           True
         """
@@ -206,6 +213,7 @@ class Policy:
         """Returns this policy with `compute_dtype` replaced (a dtype or a name such as "bf16").
 
         Example:
+          >>> from mpjax import get_policy
           >>> str(get_policy("f32").with_compute_dtype("f16"))
           'params=float32,compute=float16,output=float32'
         """
@@ -215,6 +223,8 @@ class Policy:
         """Returns this policy with `output_dtype` replaced, as jmp's `Policy.with_output_dtype`.
 
         Example:
+          >>> import jax.numpy as jnp
+          >>> from mpjax import get_policy
           >>> str(get_policy("c=bf16").with_output_dtype(jnp.float32))
           'params=float32,compute=bfloat16,output=float32'
         """
@@ -256,6 +266,7 @@ def get_policy(spec: str | Policy) -> Policy:
       ValueError: naming the bad key or value and listing the valid ones.
 
     Example:
+      >>> from mpjax import get_policy
       >>> get_policy("p=f32,c=bf16").output_dtype
       dtype(bfloat16)
     """

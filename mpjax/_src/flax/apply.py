@@ -67,6 +67,7 @@ def apply_policy(
 
     Example:
       >>> import flax.linen as nn
+      >>> from mpjax import apply_policy
       >>> model = apply_policy(nn.Dense(3), {"*": "p=f32,c=bf16", nn.LayerNorm: "f32"})
     """
     fp8_config = check_policy_fp8(fp8, fp8_axis_name)

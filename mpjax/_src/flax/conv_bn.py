@@ -58,14 +58,15 @@ class ConvBN(nn.Module):
       param_dtype: parameter dtype.
       input_layout: "NHWC" or "NCHW".
       impl: kernel implementation: "auto", "pallas", "interpret" or "xla". "auto" runs
-        the XLA forms of the statistics and the epilogue: on the H100 cost model
-        (`benchmarks/gpu_cost_model.py`, ResNet-50 train step, batch 128) the Pallas
-        pair loses to them (16.36 vs 15.60 ms roofline, 5.47 vs 5.25 GiB temp; the XLA
-        form is 0.96x the roofline and 1.00x the temp memory of the hand-written Flax
-        bf16 model). `"pallas"` opts in to the kernels.
+        the XLA forms of the statistics and the epilogue, which beat the Pallas pair on
+        the H100 cost model's ResNet-50 train step (`benchmarks/gpu_cost_model.py`; see
+        the performance guide). `"pallas"` opts in to the kernels.
       kernel_init, scale_init, bias_init: initializers.
 
     Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from mpjax.nn import ConvBN
       >>> layer = ConvBN(features=16, dtype=jnp.bfloat16, input_layout="NCHW")
       >>> x = jnp.ones((2, 3, 8, 8))  # NCHW
       >>> variables = layer.init(jax.random.key(0), x, use_running_average=False)

@@ -62,7 +62,9 @@ class Defaults:
         to at least this dtype; `None` keeps the root policy's `output_dtype`.
 
     Example:
+      >>> import dataclasses
       >>> import flax.linen as nn
+      >>> from mpjax import DEFAULTS
       >>> d = dataclasses.replace(DEFAULTS, final_output_dtype=None)
       >>> d = dataclasses.replace(
       ...     DEFAULTS, float32_modules=DEFAULTS.float32_modules + (nn.Dense,))

@@ -74,6 +74,11 @@ class Fp8Meta(nnx.Variable):
     (`nnx.DiffState(0, (nnx.Param, Fp8Meta))`) to collect the step's amaxes.
 
     Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import mpjax
+      >>> from mpjax.fp8 import Fp8Meta
       >>> recipe = mpjax.Fp8Recipe(scaling="delayed", amax_history_len=16)
       >>> model = mpjax.apply_policy(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), "c=bf16", fp8=recipe)
       >>> jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(model, Fp8Meta)))
@@ -275,10 +280,23 @@ def update_nnx_fp8_meta(model: nnx.Module, grads: Any, recipe: Fp8Recipe) -> Non
         `grads` holds no `Fp8Meta` gradient or a different tree.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from flax import nnx
+      >>> import mpjax
+      >>> recipe = mpjax.Fp8Recipe(scaling="delayed", amax_history_len=4, min_dim=16)
+      >>> model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+      >>> model = mpjax.apply_policy(model, "compute=bfloat16", fp8=recipe)
+      >>> optimizer = nnx.Optimizer(model, mpjax.loss_scaled(optax.sgd(0.1)), wrt=nnx.Param)
+      >>> x = jnp.full((16, 16), 2.0)
+      >>> def loss_fn(model):
+      ...     return mpjax.scale_loss(jnp.mean(model(x)), optimizer.opt_state)
       >>> diff = nnx.DiffState(0, (nnx.Param, mpjax.fp8.Fp8Meta))
-      >>> grads = nnx.grad(loss_fn, argnums=diff)(model, x, y)
-      >>> optimizer.update(model, grads)  # takes the nnx.Param entries only
+      >>> grads = nnx.grad(loss_fn, argnums=diff)(model)
+      >>> _ = optimizer.update(model, grads)  # takes the nnx.Param entries only
       >>> mpjax.fp8.update_nnx_fp8_meta(model, grads, recipe)
+      >>> model.fp8_meta["scale"][0]  # the input's: 448 / amax 2
+      Array(224., dtype=float32)
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"update_nnx_fp8_meta: expected an NNX module, got {type(model).__name__}")

@@ -341,6 +341,7 @@ def apply_linen_policy(
       `"fp8_meta"` collection under `fp8`).
 
     Example:
+      >>> from mpjax._src.flax.linen import apply_linen_policy
       >>> import flax.linen as nn, jax, jax.numpy as jnp
       >>> model = apply_linen_policy(nn.Dense(3), "params=float32,compute=bfloat16")
       >>> v = model.init(jax.random.key(0), jnp.ones((1, 2)))
@@ -366,13 +367,13 @@ def linen_module_policies(
 
     Args:
       model: a `PolicyModule` from `apply_policy`.
-      variables: its variables (arrays or `jax.ShapeDtypeStruct`s).
+      variables: its variables (arrays or `jax.ShapeDtypeStruct` values).
       *args: the call's arguments (concrete values: they are closed over).
       method: as for `apply`.
       **kwargs: the call's keyword arguments (e.g. `mutable=`, `rngs=`).
 
     Returns:
-      `{path: Policy}` (`""` is the root).
+      A dict from each module path to its `Policy` (`""` is the root).
     """
     if not isinstance(model, PolicyModule):
         raise TypeError(f"expected a PolicyModule from apply_policy, got {type(model).__name__}")

@@ -37,8 +37,17 @@ def keep_if_skipped(new_state: Any, old_state: Any, opt_state: Any) -> Any:
       A pytree like `new_state`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import mpjax
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx = mpjax.loss_scaled(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> grads = {"w": jnp.array([1.0, jnp.inf])}  # an overflowed step: skipped
       >>> updates, opt_state = tx.update(grads, opt_state, params)
-      >>> batch_stats = mpjax.keep_if_skipped(new_batch_stats, batch_stats, opt_state)
+      >>> old, new = {"mean": jnp.zeros(2)}, {"mean": jnp.array([0.5, jnp.nan])}
+      >>> mpjax.keep_if_skipped(new, old, opt_state)["mean"]
+      Array([0., 0.], dtype=float32)
     """
     skipped = find_loss_scaled_state(opt_state).skipped
     return select_tree(skipped, old_state, new_state)
@@ -71,7 +80,12 @@ def snapshot_state(model: Any, filter: Any) -> StateSnapshot:
       A `StateSnapshot`.
 
     Example:
+      >>> from flax import nnx
+      >>> import mpjax
+      >>> model = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
       >>> saved = mpjax.snapshot_state(model, nnx.BatchStat)
+      >>> saved.values["mean"]
+      Array([0., 0.], dtype=float32)
     """
     from flax import nnx
 
@@ -93,10 +107,21 @@ def restore_if_skipped(model: Any, saved: StateSnapshot, opt_state: Any) -> None
       None; `model` is updated in place.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from flax import nnx
+      >>> import mpjax
+      >>> model = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, mpjax.loss_scaled(optax.sgd(0.1)), wrt=nnx.Param)
+      >>> x = jnp.array([[1.0, 2.0], [3.0, jnp.inf]])  # an overflowed activation
       >>> saved = mpjax.snapshot_state(model, nnx.BatchStat)
-      >>> grads = nnx.grad(loss_fn)(model, x, y)
-      >>> optimizer.update(model, grads)
+      >>> def loss_fn(model):
+      ...     return mpjax.scale_loss(model(x).sum(), optimizer.opt_state)
+      >>> grads = nnx.grad(loss_fn)(model)  # the forward pass wrote inf into model.mean
+      >>> _ = optimizer.update(model, grads)  # non-finite gradients: the step is skipped
       >>> mpjax.restore_if_skipped(model, saved, optimizer.opt_state)
+      >>> model.mean[...]
+      Array([0., 0.], dtype=float32)
     """
     from flax import nnx
 

@@ -330,8 +330,9 @@ def apply_nnx_policy(
       `model`.
 
     Example:
-      >>> from flax import nnx
       >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from mpjax._src.flax.nnx import apply_nnx_policy
       >>> model = apply_nnx_policy(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "p=f32,c=bf16")
       >>> model(jnp.ones((1, 2))).dtype  # matmul in bfloat16, logits leave in float32
       dtype('float32')
@@ -383,7 +384,7 @@ def module_policies(model: nnx.Module) -> dict[str, Policy]:
       model: a model `apply_nnx_policy` was applied to.
 
     Returns:
-      `{path: Policy}` for the wrapped modules (`""` is the root).
+      A dict from each wrapped module's path to its `Policy` (`""` is the root).
     """
     out = {}
     for _, node in nnx.iter_graph(model):

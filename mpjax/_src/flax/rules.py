@@ -106,6 +106,7 @@ def parse_rules(spec: Any, module_base: type | tuple[type, ...]) -> Rules:
 
     Example:
       >>> import flax.linen as nn
+      >>> from mpjax.policy import parse_rules
       >>> r = parse_rules({nn.Dense: "bf16", "head": "f32", "*": "p=f32,c=bf16"}, nn.Module)
       >>> [rule.kind for rule in r.path_rules + r.class_rules]
       ['path', 'class']

@@ -126,6 +126,10 @@ def fp8_conv_1x1(lhs, rhs, params: dict, recipe: Fp8Recipe, compute_dtype: Any):
       The convolution's output in `compute_dtype`, laid out as `params` say.
 
     Example:
+      >>> from jax import lax
+      >>> import jax.numpy as jnp
+      >>> from mpjax import Fp8Recipe
+      >>> from mpjax.fp8 import fp8_conv_1x1
       >>> dn = lax.conv_dimension_numbers((8, 4, 4, 64), (1, 1, 64, 32), ("NHWC", "HWIO", "NHWC"))
       >>> params = dict(window_strides=(1, 1), padding=((0, 0), (0, 0)), lhs_dilation=(1, 1),
       ...               dimension_numbers=dn, feature_group_count=1, batch_group_count=1)

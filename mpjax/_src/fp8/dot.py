@@ -145,6 +145,9 @@ def fp8_dot_general(
       The product in `compute_dtype`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import Fp8Recipe
+      >>> from mpjax.fp8 import fp8_dot_general
       >>> x, w = jnp.ones((64, 128)), jnp.ones((128, 64))
       >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())), Fp8Recipe(), jnp.bfloat16).dtype
       dtype(bfloat16)

@@ -23,7 +23,7 @@ def fp8_max(dtype: Any) -> float:
 
 
 def amax(x: jnp.ndarray, axis: int | Sequence[int] | None = None) -> jnp.ndarray:
-    """Max |x| in float32 over `axis` (all axes if None), keeping dims; NaN propagates.
+    """Max `|x|` in float32 over `axis` (all axes if None), keeping dims; NaN propagates.
 
     Args:
       x: a floating array.
@@ -56,6 +56,8 @@ def compute_scale(
       float32 scales, the shape of `amax_value`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax.fp8 import compute_scale
       >>> float(compute_scale(jnp.float32(2.0), jnp.float8_e4m3fn))
       224.0
     """

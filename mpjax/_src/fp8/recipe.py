@@ -94,9 +94,9 @@ class Fp8Recipe:
         padding or input dilation, one group) is a GEMM over the channels and runs as one
         through `fp8_dot_general`, forward and backward, when that GEMM is eligible (sizes
         as for `dot_general`; `exclude`/`exclude_if` see an `Fp8Site` with `kind="conv"`).
-        Off by default because it does not pay on ResNet-50 (H100 cost model, batch 128:
-        1.041x the bf16 step, 0.987x with `min_dim=512`, against autocast bf16's 0.984x):
-        its 1x1 convs are memory bound and current scaling adds amax and quantise passes.
+        Off by default because it does not pay on ResNet-50 on the H100 cost model (see
+        the performance guide): its 1x1 convs are memory bound and current scaling adds
+        amax and quantise passes.
         Other convolutions (3x3, 7x7, grouped, dilated) always keep the compute dtype:
         XLA:GPU runs fp8 forward and stride-1 input-gradient convolutions (cuDNN fp8
         graphs) but no fp8 weight-gradient convolution (its cuDNN backward-filter conv
@@ -108,6 +108,7 @@ class Fp8Recipe:
         margin, a history length below 1 or a `min_dim` below 16, naming the field.
 
     Example:
+      >>> from mpjax import Fp8Recipe
       >>> recipe = Fp8Recipe(scaling="rowwise", exclude=("*/head",))
       >>> recipe.power_of_two
       True

@@ -72,7 +72,7 @@ def convert_for_inference(
       fold_batchnorm: fold BatchNorms (True) or only cast (False).
       apply_kwargs: keyword arguments for `model.apply` that select inference mode,
         e.g. `{"train": False}`; baked into `apply`.
-      epilogue_impl: the `conv_epilogue` implementation of folded `ConvBN`s ("auto",
+      epilogue_impl: the `conv_epilogue` implementation of folded `ConvBN` layers ("auto",
         "pallas", "interpret", "xla"); None keeps each module's `impl`. Use "xla" for
         an artifact exported for several platforms at once (see `mpjax.export`).
       output_dtype: the dtype of the floating outputs (default float32); None keeps the
@@ -90,10 +90,25 @@ def convert_for_inference(
         non-floating `output_dtype`.
 
     Example:
-      >>> infer = mpjax.convert_for_inference(model, variables, "compute=bfloat16",
-      ...                                     example_inputs=x[:1],
-      ...                                     apply_kwargs={"train": False})
-      >>> logits = jax.jit(infer.apply)(infer.variables, x)  # float32 logits
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import mpjax
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x, train):
+      ...         h = nn.Dense(4)(x)
+      ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
+      >>> model, x = Net(), jnp.ones((3, 8))
+      >>> variables = model.init(jax.random.key(0), x, train=False)
+      >>> infer = mpjax.convert_for_inference(
+      ...     model, variables, "compute=bfloat16", example_inputs=x[:1],
+      ...     apply_kwargs={"train": False},
+      ... )
+      >>> infer.report.folded
+      (('Dense_0', 'BatchNorm_0'),)
+      >>> jax.jit(infer.apply)(infer.variables, x).dtype  # float32 logits
+      dtype('float32')
     """
     if epilogue_impl is not None:
         check_impl(epilogue_impl, "convert_for_inference: epilogue_impl")

@@ -56,7 +56,7 @@ def export_inference(
     polymorphic_batch: bool = False,
     allow_pallas_kernels: bool = True,
 ) -> jax.export.Exported:
-    """`jax.export`s `model.apply(variables, *inputs)` for the given platforms.
+    """Exports `model.apply(variables, *inputs)` with `jax.export` for the given platforms.
 
     Args:
       model: an `InferenceModel` from `convert_for_inference`.
@@ -76,7 +76,24 @@ def export_inference(
         (jax-ml/jax#28594); the message says what to do instead.
 
     Example:
-      >>> exp = export_inference(infer, x[:1], platforms=("cpu", "cuda"))
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import mpjax
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x, train):
+      ...         h = nn.Dense(4)(x)
+      ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
+      >>> model, x = Net(), jnp.ones((3, 8))
+      >>> variables = model.init(jax.random.key(0), x, train=False)
+      >>> infer = mpjax.convert_for_inference(
+      ...     model, variables, "compute=bfloat16", example_inputs=x[:1],
+      ...     apply_kwargs={"train": False},
+      ... )
+      >>> from mpjax.export import export_inference
+      >>> export_inference(infer, x[:1], platforms=("cpu", "cuda")).platforms
+      ('cpu', 'cuda')
     """
     if not isinstance(model, InferenceModel):
         raise TypeError(
@@ -124,8 +141,25 @@ def serialize_inference(
       The artifact, for `load_inference`.
 
     Example:
-      >>> blob = serialize_inference(infer, x[:1], platforms=("cpu", "cuda"))
-      >>> load_inference(blob)(x[:1])
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import mpjax
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x, train):
+      ...         h = nn.Dense(4)(x)
+      ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
+      >>> model, x = Net(), jnp.ones((3, 8))
+      >>> variables = model.init(jax.random.key(0), x, train=False)
+      >>> infer = mpjax.convert_for_inference(
+      ...     model, variables, "compute=bfloat16", example_inputs=x[:1],
+      ...     apply_kwargs={"train": False},
+      ... )
+      >>> from mpjax.export import load_inference, serialize_inference
+      >>> blob = serialize_inference(infer, x[:1], polymorphic_batch=True)
+      >>> load_inference(blob)(x).shape  # any batch size
+      (3, 2)
     """
     exported = export_inference(
         model,

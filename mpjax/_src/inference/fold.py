@@ -42,7 +42,12 @@ def fold_batchnorm_params(
       `(kernel', bias')`, in float32 (or wider if the inputs are wider).
 
     Example:
-      >>> k, b = fold_batchnorm_params(k, None, mean, var, gamma, beta, 1e-5)
+      >>> import jax.numpy as jnp
+      >>> from mpjax.inference import fold_batchnorm_params
+      >>> mean, var = jnp.full(4, 2.0), jnp.full(4, 3.0)
+      >>> k, b = fold_batchnorm_params(jnp.ones((8, 4)), None, mean, var, None, None, 1.0)
+      >>> k[0], b
+      (Array([0.5, 0.5, 0.5, 0.5], dtype=float32), Array([-1., -1., -1., -1.], dtype=float32))
     """
     dtype = jnp.promote_types(jnp.float32, kernel.dtype)
     f = lambda a: jnp.asarray(a, dtype)

@@ -159,9 +159,23 @@ def trace_conversion(
       The `ConversionPlan`.
 
     Example:
-      >>> plan = trace_conversion(model, variables, "compute=bfloat16", x[:1],
-      ...                         apply_kwargs={"train": False})
-      >>> plan.trace.report.folded, plan.param_dtype(("Dense_0",))
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import mpjax
+      >>> from mpjax._src.inference.steps import trace_conversion
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x, train):
+      ...         h = nn.Dense(4)(x)
+      ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
+      >>> model, x = Net(), jnp.ones((3, 8))
+      >>> variables = model.init(jax.random.key(0), x, train=False)
+      >>> plan = trace_conversion(
+      ...     model, variables, "compute=bfloat16", x[:1], apply_kwargs={"train": False}
+      ... )
+      >>> plan.trace.report.folded
+      (('Dense_0', 'BatchNorm_0'),)
     """
     _check_arguments(model, variables, policy, apply_kwargs)
     if output_dtype is not None:

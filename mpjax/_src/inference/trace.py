@@ -239,8 +239,8 @@ def trace_model(
 
     Args:
       apply: `model.apply` with the inference-mode keyword arguments bound.
-      variables: the model's variables (arrays or `jax.ShapeDtypeStruct`s).
-      inputs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
+      variables: the model's variables (arrays or `jax.ShapeDtypeStruct` values).
+      inputs: example inputs (arrays or `jax.ShapeDtypeStruct` values).
       fold: whether folding is wanted at all (`False` reports every BatchNorm unfolded).
 
     Returns:

@@ -58,6 +58,8 @@ def conv_epilogue(
       `residual`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax.pallas import conv_epilogue
       >>> y = jnp.ones((2, 4, 4, 8), jnp.bfloat16)
       >>> out = conv_epilogue(y, jnp.ones(8), jnp.zeros(8), y, activation="relu")
     """

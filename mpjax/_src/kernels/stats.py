@@ -41,6 +41,8 @@ def channel_stats(y: jax.Array, *, impl: str = "auto") -> tuple[jax.Array, jax.A
       `(sum, sumsq)`, each of shape `(C,)`; differentiable in `y`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax.pallas import channel_stats
       >>> s, ss = channel_stats(jnp.ones((2, 4, 4, 8), jnp.bfloat16))
       >>> mean, var = s / 32, ss / 32 - (s / 32) ** 2
     """

@@ -84,6 +84,7 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
       `(unscaled, all_finite)`: the unscaled pytree and a scalar bool array.
 
     Example:
+      >>> import mpjax
       >>> import functools, optax
       >>> tx = mpjax.loss_scaled(
       ...     optax.adam(1e-3),
@@ -122,6 +123,8 @@ def all_finite_unscaled(grads: Any, loss_scale: Any, *, impl: str = "auto") -> j
       A scalar bool array.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> import mpjax
       >>> ok = mpjax.pallas.all_finite_unscaled({"w": jnp.ones(3, jnp.float16)}, 2.0**15)
     """
     _, _, _, floating, scale, unsupported = _prepare("all_finite_unscaled", grads, loss_scale)
@@ -149,7 +152,7 @@ def xla_unscale_and_check(grads: Any, loss_scale: Any) -> tuple[Any, jax.Array]:
 
 
 def xla_all_finite_unscaled(grads: Any, loss_scale: Any) -> jax.Array:
-    """The XLA form of `all_finite_unscaled`: a few variadic max-|g| reductions (one per group
+    """The XLA form of `all_finite_unscaled`: a few variadic max-`|g|` reductions (one per group
     of same-sized leaves, see `grouped_check`), fusing any convert before them."""
     return all_finite_unscaled(grads, loss_scale, impl="xla")
 

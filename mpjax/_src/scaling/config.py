@@ -49,6 +49,8 @@ def loss_scale_for(precision: Any, **dynamic_kwargs: Any) -> LossScale:
       `DynamicLossScale(**dynamic_kwargs)` for float16, else `NoOpLossScale()`.
 
     Example:
+      >>> import optax
+      >>> from mpjax import loss_scale_for, loss_scaled
       >>> loss_scale_for("fp16", growth_interval=200)
       DynamicLossScale(...)
       >>> tx = loss_scaled(optax.adam(1e-3), loss_scale_for("bf16"))
@@ -99,6 +101,7 @@ def default_max_consecutive_skips(loss_scale: LossScale) -> int:
       The threshold, an int >= 25.
 
     Example:
+      >>> from mpjax import default_max_consecutive_skips, DynamicLossScale
       >>> default_max_consecutive_skips(DynamicLossScale())
       49
     """

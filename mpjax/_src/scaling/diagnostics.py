@@ -101,6 +101,9 @@ def nonfinite_report(tree: Any) -> NonfiniteReport:
       A `NonfiniteReport`.
 
     Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from mpjax import nonfinite_report
       >>> report = jax.jit(nonfinite_report)({"a": jnp.ones(2), "b": jnp.array([jnp.inf])})
       >>> report.offenders()
       {"['b']": (0, 1)}

@@ -50,6 +50,8 @@ def all_finite(tree: Any) -> jax.Array:
     Non-floating leaves (ints, bools, float0) are ignored; an empty tree is finite.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import all_finite
       >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([jnp.inf])}))
       False
     """
@@ -148,6 +150,8 @@ class NoOpLossScale(LossScale):
     scales by nothing and still skips non-finite steps.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import NoOpLossScale
       >>> NoOpLossScale().scale(jnp.float16(3.0)).dtype
       dtype('float32')
     """
@@ -174,6 +178,8 @@ class StaticLossScale(LossScale):
       scale: the scale, a finite number > 0.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import StaticLossScale
       >>> StaticLossScale(128.0).unscale(jnp.float16(256.0))
       Array(2., dtype=float32)
     """
@@ -212,6 +218,8 @@ class DynamicLossScale(LossScale):
       counter: finite steps since the last growth or backoff, an int32 scalar array.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax import DynamicLossScale
       >>> ls = DynamicLossScale(initial_scale=2.0**4, growth_interval=1)
       >>> float(ls.adjust(jnp.array(True)).loss_scale)
       32.0

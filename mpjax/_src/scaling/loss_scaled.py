@@ -342,7 +342,8 @@ def loss_scaled(
         from inside the compiled step, on every platform (it reaches Python as a
         `jax.errors.JaxRuntimeError`, a `RuntimeError`, naming the error and the loss
         scale). That raise is a host callback, which takes every call of the step off
-        JAX's C++ dispatch path (about 10 us per state leaf per call), so it is opt-in.
+        JAX's C++ dispatch path (a per-call cost that grows with the state's leaves), so
+        it is opt-in.
       check_new_values: whether a step with finite gradients is also skipped when the new
         value of a param would overflow to inf. "auto" checks float16 params (max 65504,
         the one dtype a finite step overflows in practice); True checks every floating
@@ -355,7 +356,7 @@ def loss_scaled(
         The results are the same.
       impl: the finite check: "auto" (default) is "xla" on accelerators and, on XLA:CPU,
         unscales once before the step (`xla_unscale_and_check`: faster there than fusing
-        the multiply into the update). "xla" checks with a few variadic max-|g| XLA
+        the multiply into the update). "xla" checks with a few variadic max-`|g|` XLA
         reductions, one per group of same-sized leaves
         (`mpjax._src.kernels.grouped_check`), which XLA fuses with whatever produced the
         gradients (the convert of float16 gradients of float32 params is not
@@ -368,6 +369,9 @@ def loss_scaled(
       An `optax.GradientTransformationExtraArgs` whose state is a `LossScaledState`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from mpjax import loss_scaled
       >>> tx = loss_scaled(optax.adam(1e-3))
       >>> params = {"w": jnp.ones((3,), jnp.bfloat16)}
       >>> state = tx.init(params)

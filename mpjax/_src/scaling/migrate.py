@@ -33,6 +33,7 @@ def loss_scale_from_flax(dynamic_scale: Any) -> DynamicLossScale:
 
     Example:
       >>> from flax.training.dynamic_scale import DynamicScale
+      >>> from mpjax import loss_scale_from_flax
       >>> ls = loss_scale_from_flax(DynamicScale(growth_interval=100, scale=2.0**10))
       >>> float(ls.loss_scale), ls.growth_interval
       (1024.0, 101)
@@ -76,7 +77,15 @@ def with_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
       The new optimizer state.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from flax.training.dynamic_scale import DynamicScale
+      >>> from mpjax import get_loss_scale, loss_scale_from_flax, loss_scaled, with_loss_scale
+      >>> opt_state = loss_scaled(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+      >>> dynamic_scale = DynamicScale(scale=2.0**10)  # a Flax run's state
       >>> opt_state = with_loss_scale(opt_state, loss_scale_from_flax(dynamic_scale))
+      >>> float(get_loss_scale(opt_state))
+      1024.0
     """
     from mpjax._src.scaling.state_helpers import find_loss_scaled_state
 

@@ -71,6 +71,9 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
     `find_loss_scaled_state(opt_state).loss_scale`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from mpjax import get_loss_scale, loss_scaled
       >>> float(get_loss_scale(loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
       32768.0
     """
@@ -83,7 +86,14 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     A Python number is scaled too (as a float32 array).
 
     Example:
-      >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p), opt_state))(params)
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from mpjax import loss_scaled, scale_loss
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = loss_scaled(optax.sgd(0.1)).init(params)  # scale 2**15
+      >>> jax.grad(lambda p: scale_loss(jnp.sum(p["w"]), opt_state))(params)["w"]
+      Array([32768., 32768.], dtype=float32)
     """
     return find_loss_scaled_state(opt_state).loss_scale.scale(loss)
 
@@ -130,10 +140,19 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str | None = 
       TypeError: when called on traced values (inside `jax.jit`).
 
     Example:
-      >>> for step in range(steps):
-      ...     params, opt_state = train_step(params, opt_state, batch)
-      ...     if step % 100 == 0:
-      ...         mpjax.raise_if_diverged(opt_state)
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import mpjax
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx = mpjax.loss_scaled(optax.sgd(0.1), mpjax.StaticLossScale(1.0))
+      >>> opt_state = tx.init(params)
+      >>> for step in range(30):  # every step overflows
+      ...     _, opt_state = tx.update({"w": jnp.full(2, jnp.inf)}, opt_state, params)
+      ...     if step % 10 == 9:
+      ...         mpjax.raise_if_diverged(opt_state)  # where the loop logs
+      Traceback (most recent call last):
+      ...
+      TrainingDivergedError: ...
     """
     state = find_loss_scaled_state(opt_state)
     limit = max_consecutive_skips
