@@ -235,10 +235,10 @@ def report(fn, *args, target: str | None = None, **kwargs: Any) -> Report:
     Args:
       fn: the step (a function or a `jax.jit`-wrapped one; non-array arguments go in with
         `functools.partial`).
-      *args: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+      *args: its arguments (arrays or `jax.ShapeDtypeStruct` values).
       target: `None` (the current backend), `"h100"` (one H100, deviceless: needs the
         gpu-aot extra and `JAX_PLATFORMS=cpu`) or `"h100x2"`, `"h100x4"`, `"h100x8"` (one
-        host of H100s; `NamedSharding`s of the arguments keep their specs, other leaves are
+        host of H100s; arguments with a `NamedSharding` keep their specs, other leaves are
         replicated).
       **kwargs: keyword arguments of `fn` (arrays).
 

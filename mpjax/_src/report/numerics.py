@@ -255,7 +255,7 @@ def numerics(
 
     Args:
       tree: a pytree of concrete arrays (gradients, activations from `capture_intermediates`,
-        fp8 inputs); sharded `jax.Array`s are reduced on their devices, never gathered.
+        fp8 inputs); a sharded `jax.Array` is reduced on its devices, never gathered.
       formats: floating-point dtype names to check the values against.
       fp8_recipe: the `Fp8Recipe` of the delayed-fp8 sites in `tree` (their formats; the
         default recipe's when None). Each site also gets `Fp8TensorMeta` records in `.fp8`.
