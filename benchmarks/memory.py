@@ -33,13 +33,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
+import benchmarks.gpu_cost_model as gcm  # noqa: E402
 import mpjax  # noqa: E402
-from benchmarks.gpu_cost_model import (  # noqa: E402
-    Skip,
-    delegate_to_gpu_aot,
-    measure,
-    plugin_available,
-)
 from benchmarks.train_models import LM, LM_SIZES, VOCAB  # noqa: E402
 from mpjax._src.analysis.target import compile_step, h100_sharding  # noqa: E402
 
@@ -122,7 +117,7 @@ def step_costs(size: str) -> list[dict]:
         params = lm_params(size, dtype)
         opt_state = jax.eval_shape(tx.init, params)
         compiled = compile_step(_step(tx), (params, opt_state, params), sharding, (0, 1))
-        m = measure(compiled)
+        m = gcm.measure(compiled)
         rows.append({"mode": name, "bytes": m["bytes"], "roofline_s": m["roofline_s"]})
     anchor = next(r for r in rows if r["mode"] == ANCHOR)
     for r in rows:
@@ -144,12 +139,12 @@ def run(quick: bool = False, costs: bool = True) -> dict:
     size = "quick" if quick else "gpt2"
     out = {"size": size, "state": state_bytes(size)}
     if costs:
-        if plugin_available():
+        if gcm.plugin_available():
             out["step"] = step_costs(size)
         else:
             try:
-                out["step"] = delegate_to_gpu_aot(Path(__file__), quick)["step"]
-            except Skip as e:
+                out["step"] = gcm.delegate_to_gpu_aot(Path(__file__), quick)["step"]
+            except gcm.Skip as e:
                 out["step_skipped"] = str(e)
     return out
 

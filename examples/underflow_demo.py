@@ -81,7 +81,15 @@ def gradients(
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The float32 gradient and `precision`'s, at the same initial parameters and batch.
 
-    Args: as `gradient_underflow`.
+    Args:
+      precision: a precision name of `examples.common.PRECISIONS`.
+      loss_multiplier: constant the loss is multiplied by.
+      data: the digits split.
+      loss_scale: the loss is also multiplied by this and the gradients divided by it
+        (in float64) afterwards, as loss scaling does.
+      batch_size: examples in the batch.
+      seed: seeds the initialisation.
+      **config_kwargs: further `DigitsConfig` fields (e.g. `width`).
 
     Returns:
       `(reference, low)`: the leaves (float64 NumPy, divided by `loss_scale`) of the float32
@@ -97,42 +105,20 @@ def gradients(
 
 
 def gradient_underflow(
-    precision: str,
-    loss_multiplier: float,
-    data: DigitsData,
-    *,
-    loss_scale: float = 1.0,
-    batch_size: int = 256,
-    seed: int = 0,
-    **config_kwargs,
+    precision: str, loss_multiplier: float, data: DigitsData, **kwargs
 ) -> tuple[float, float]:
     """Measures how many gradient entries `precision` loses to underflow, against float32.
 
     Both gradients are taken at the same freshly initialised parameters on the same batch.
 
-    Args:
-      precision: a precision name of `examples.common.PRECISIONS`.
-      loss_multiplier: constant the loss is multiplied by.
-      data: the digits split.
-      loss_scale: the loss is also multiplied by this and the gradients divided by it
-        (in float64) afterwards, as loss scaling does.
-      batch_size: examples in the batch.
-      seed: seeds the initialisation.
-      **config_kwargs: further `DigitsConfig` fields (e.g. `width`).
+    Args: as `gradients` (`loss_scale`, `batch_size`, `seed` and `DigitsConfig` fields go in
+      `kwargs`).
 
     Returns:
       `(flushed, rel_error)`: the fraction of the float32 gradient's nonzero entries that
       are exactly zero under `precision`, and the relative L2 error of the whole gradient.
     """
-    ref, low = gradients(
-        precision,
-        loss_multiplier,
-        data,
-        loss_scale=loss_scale,
-        batch_size=batch_size,
-        seed=seed,
-        **config_kwargs,
-    )
+    ref, low = gradients(precision, loss_multiplier, data, **kwargs)
     nonzero = sum(int((r != 0).sum()) for r in ref)
     flushed = sum(int(((r != 0) & (g == 0)).sum()) for r, g in zip(ref, low, strict=True))
     err = np.sqrt(sum(((r - g) ** 2).sum() for r, g in zip(ref, low, strict=True)))

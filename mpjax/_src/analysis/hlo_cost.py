@@ -22,14 +22,7 @@ summed over kernels (no overlap, no launch latency).
 Peaks are the H100 SXM data-sheet dense figures (NVIDIA H100 Tensor Core GPU datasheet).
 float32 dots and convolutions run as TF32 on tensor cores under XLA's default precision.
 
-Example:
-  >>> import jax
-  >>> import jax.numpy as jnp
-  >>> from mpjax._src.analysis.hlo_cost import analyze
-  >>> x = jnp.ones((64, 64))
-  >>> report = analyze(jax.jit(lambda x: x @ x).trace(x).lower().compile().as_text())
-  >>> report.gemm_flops  # 2 * 64**3
-  {'f32': 524288}
+Example: see `analyze`.
 """
 
 from __future__ import annotations

@@ -14,16 +14,20 @@ from mpjax._src.autocast.rules import STRONG
 __all__ = ["SHARDED_RULES"]
 
 
-def _shard_map(evaluate, ctx, eqn, vals, origins):
-    """`jax.shard_map` of the autocast body, with the same mesh, specs and axes."""
-    p = eqn.params
-    body = p["jaxpr"]
+def _body(evaluate, ctx, body, origins):
+    """The autocast evaluation of a mapped body, as a function of its per-device arguments."""
 
     def local(*args):
         return tuple(evaluate(ctx, body, (), args, origins)[0])
 
+    return local
+
+
+def _shard_map(evaluate, ctx, eqn, vals, origins):
+    """`jax.shard_map` of the autocast body, with the same mesh, specs and axes."""
+    p = eqn.params
     mapped = jax.shard_map(
-        local,
+        _body(evaluate, ctx, p["jaxpr"], origins),
         mesh=p["mesh"],
         in_specs=tuple(p["in_specs"]),
         out_specs=tuple(p["out_specs"]),
@@ -37,13 +41,8 @@ def _shard_map(evaluate, ctx, eqn, vals, origins):
 def _pmap(evaluate, ctx, eqn, vals, origins):
     """`jax.pmap` of the autocast body, with the same axis, in/out axes and devices."""
     p = eqn.params
-    body = p["call_jaxpr"]
-
-    def local(*args):
-        return tuple(evaluate(ctx, body, (), args, origins)[0])
-
     mapped = jax.pmap(
-        local,
+        _body(evaluate, ctx, p["call_jaxpr"], origins),
         axis_name=p["axis_name"],
         in_axes=tuple(p["in_axes"]),
         out_axes=tuple(p["out_axes"]),

@@ -76,22 +76,12 @@ def export_inference(
         (jax-ml/jax#28594); the message says what to do instead.
 
     Example:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import flax.linen as nn
-      >>> import mpjax
-      >>> class Net(nn.Module):
-      ...     @nn.compact
-      ...     def __call__(self, x, train):
-      ...         h = nn.Dense(4)(x)
-      ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
-      >>> model, x = Net(), jnp.ones((3, 8))
-      >>> variables = model.init(jax.random.key(0), x, train=False)
-      >>> infer = mpjax.convert_for_inference(
-      ...     model, variables, "compute=bfloat16", example_inputs=x[:1],
-      ...     apply_kwargs={"train": False},
-      ... )
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, mpjax
       >>> from mpjax.export import export_inference
+      >>> dense, x = nn.Dense(2), jnp.ones((3, 8))
+      >>> infer = mpjax.convert_for_inference(
+      ...     dense, dense.init(jax.random.key(0), x), "compute=bfloat16", example_inputs=x[:1]
+      ... )
       >>> export_inference(infer, x[:1], platforms=("cpu", "cuda")).platforms
       ('cpu', 'cuda')
     """
@@ -141,22 +131,12 @@ def serialize_inference(
       The artifact, for `load_inference`.
 
     Example:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import flax.linen as nn
-      >>> import mpjax
-      >>> class Net(nn.Module):
-      ...     @nn.compact
-      ...     def __call__(self, x, train):
-      ...         h = nn.Dense(4)(x)
-      ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
-      >>> model, x = Net(), jnp.ones((3, 8))
-      >>> variables = model.init(jax.random.key(0), x, train=False)
-      >>> infer = mpjax.convert_for_inference(
-      ...     model, variables, "compute=bfloat16", example_inputs=x[:1],
-      ...     apply_kwargs={"train": False},
-      ... )
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, mpjax
       >>> from mpjax.export import load_inference, serialize_inference
+      >>> mlp = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+      >>> x = jnp.ones((3, 8))
+      >>> params = mlp.init(jax.random.key(1), x)
+      >>> infer = mpjax.convert_for_inference(mlp, params, "bf16", example_inputs=x[:1])
       >>> blob = serialize_inference(infer, x[:1], polymorphic_batch=True)
       >>> load_inference(blob)(x).shape  # any batch size
       (3, 2)

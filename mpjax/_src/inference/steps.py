@@ -159,23 +159,13 @@ def trace_conversion(
       The `ConversionPlan`.
 
     Example:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import flax.linen as nn
-      >>> import mpjax
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
       >>> from mpjax._src.inference.steps import trace_conversion
-      >>> class Net(nn.Module):
-      ...     @nn.compact
-      ...     def __call__(self, x, train):
-      ...         h = nn.Dense(4)(x)
-      ...         return nn.Dense(2)(nn.BatchNorm(use_running_average=not train)(h))
-      >>> model, x = Net(), jnp.ones((3, 8))
-      >>> variables = model.init(jax.random.key(0), x, train=False)
-      >>> plan = trace_conversion(
-      ...     model, variables, "compute=bfloat16", x[:1], apply_kwargs={"train": False}
-      ... )
+      >>> seq = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=True)])
+      >>> images = jnp.ones((2, 8))
+      >>> plan = trace_conversion(seq, seq.init(jax.random.key(0), images), "bf16", images)
       >>> plan.trace.report.folded
-      (('Dense_0', 'BatchNorm_0'),)
+      (('layers_0', 'layers_1'),)
     """
     _check_arguments(model, variables, policy, apply_kwargs)
     if output_dtype is not None:
