@@ -22,7 +22,7 @@ summed over kernels (no overlap, no launch latency).
 Peaks are the H100 SXM data-sheet dense figures (NVIDIA H100 Tensor Core GPU datasheet).
 float32 dots and convolutions run as TF32 on tensor cores under XLA's default precision.
 
-Example: see `analyze`.
+`analyze` has a worked example.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ def field(*, static: bool = False, **kwargs: Any) -> Any:
     """A dataclass field; `static=True` makes it configuration (tree definition), not a leaf.
 
     Example:
+      >>> from mpjax._src.core.dataclass import field
       >>> field(static=True, default=3).metadata["static"]
       True
     """
@@ -74,6 +75,8 @@ def pytree_dataclass(cls: type) -> type:
 
     Example:
       >>> import jax.numpy as jnp
+      >>> import jax
+      >>> from mpjax._src.core.dataclass import field, pytree_dataclass
       >>> @pytree_dataclass
       ... class Counter:
       ...     count: jnp.ndarray

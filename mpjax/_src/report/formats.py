@@ -40,6 +40,7 @@ def format_range(name: str) -> FormatRange:
       Its `FormatRange` (float64 thresholds).
 
     Example:
+      >>> from mpjax._src.report.formats import format_range
       >>> format_range("float16").flush_below == 2.0**-25
       True
     """

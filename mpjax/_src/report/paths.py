@@ -48,6 +48,7 @@ def split_op_name(op_name: str) -> tuple[str, str]:
       The path (`""` when the name stack names nothing) and the pass.
 
     Example:
+      >>> from mpjax._src.report.paths import split_op_name
       >>> split_op_name("jit(step)/transpose(jvp(M.apply))/M/blk/Dense_0/dot_general")
       ('blk/Dense_0', 'backward')
     """

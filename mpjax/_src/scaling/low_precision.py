@@ -72,6 +72,7 @@ def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
+      >>> from mpjax._src.scaling.low_precision import stochastic_round
       >>> x = jnp.full((10000,), 1.0 + 2.0**-10, jnp.float32)  # 1/8 of a bf16 ulp above 1
       >>> r = stochastic_round(x, jnp.uint32(0)).astype(jnp.float32)
       >>> sorted(set(r.tolist())), 0.08 < float((r > 1).mean()) < 0.17

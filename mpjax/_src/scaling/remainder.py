@@ -21,6 +21,8 @@ def split_master(master: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Splits a float32 master into (bfloat16 param rounded to nearest, int16 remainder).
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.scaling.remainder import split_master
       >>> param, rem = split_master(jnp.float32(1.0 + 2.0**-9))
       >>> param.dtype, rem.dtype
       (dtype(bfloat16), dtype('int16'))
@@ -37,6 +39,8 @@ def join_master(param: jax.Array, rem: jax.Array) -> jax.Array:
     """The float32 master a bfloat16 param and its int16 remainder stand for, bit for bit.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.scaling.remainder import join_master, split_master
       >>> x = jnp.float32(1.0 + 2.0**-9)
       >>> bool(join_master(*split_master(x)) == x)
       True

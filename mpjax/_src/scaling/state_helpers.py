@@ -106,6 +106,8 @@ def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
     or a new float16 param value that would overflow); `grads_finite` only the first.
 
     Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax import loss_scaled, scaling_metrics
       >>> sorted(scaling_metrics(loss_scaled(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
       ['consecutive_skips', 'grads_finite', 'loss_scale', 'skipped', 'skipped_steps']
     """
