@@ -254,7 +254,9 @@ def _h100_rows() -> list:
         )
         tokens = jax.ShapeDtypeStruct((64, 257), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
         fn = jax.jit(step, out_shardings=(*shard, None), donate_argnums=(0, 1))
-        rows.append([policy, _gradient_collectives(fn.trace(*args, tokens).lower().compile().as_text())])
+        rows.append(
+            [policy, _gradient_collectives(fn.trace(*args, tokens).lower().compile().as_text())]
+        )
     return rows
 
 

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax._src.analysis.collectives import collectives
+from tests.helpers.gpu import _run_json
 
 WIDTH, BATCH, LAYERS = 64, 512, 3
 HLO_DTYPE = {None: "f16", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -147,3 +148,38 @@ def test_single_device_forward_program_is_unchanged():
     ]
     strip = [t.split("\n", 1)[1] for t in texts]  # the module name line differs
     assert strip[0] == strip[1]
+
+
+def _plain_mlp(params, x):
+    for i in range(LAYERS):
+        x = jnp.tanh(x @ params[f"Dense_{i}"]["kernel"])
+    return x
+
+
+@pytest.mark.parametrize("reduce", [None, "float32", "float16"])
+def test_autocast_gradient_reduction_dtype_is_the_policys(reduce):
+    policy = "p=f32,c=f16,o=f32" + (f",reduce={reduce}" if reduce else "")
+    fwd = mpjax.autocast(_plain_mlp, policy)
+    x, y = _data()
+    params = MLP().init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y):
+        return 2.0**12 * jnp.mean((fwd(p, x).astype(jnp.float32) - y) ** 2)
+
+    fn, compiled = _compile(jax.grad(loss), params, (x, y))
+    reductions = _gradient_reductions(compiled)
+    assert len(reductions) >= LAYERS
+    assert {c.dtype for c in reductions} == {HLO_DTYPE[reduce]}
+    assert _rel_err(fn(params, x, y), _f64_grads(params, (x, y))) < 5e-3
+
+
+def test_h100_gradient_reductions_have_the_policys_dtype(tmp_path):
+    """On 8 deviceless H100s: the weight-gradient reduce-scatters run in the chosen dtype."""
+    got = _run_json("tests/flax/_reduce_dtype_h100.py", tmp=tmp_path)
+    want = {"r=f32": "f32", "r=bf16": "bf16"}
+    for name, dtypes in got.items():
+        policy = name.split(" ", 1)[1]
+        compute = "f16" if "c=f16" in policy else "bf16"
+        reduce = policy.rsplit(",", 1)[1]
+        assert len(dtypes) >= LAYERS, name
+        assert set(dtypes) == {want.get(reduce, compute)}, (name, dtypes)
