@@ -45,50 +45,69 @@ def _ring_sum(partials: np.ndarray, dtype) -> np.ndarray:
     return acc
 
 
-def _partials(rng, n: int, scale: float) -> np.ndarray:
+def _partials(rng, n: int, scale: float, noise: float) -> np.ndarray:
     """`n` per-device partial gradients of one tensor, scaled by `scale`, in float64.
 
     Each element's mean gradient has a log-uniform magnitude in [1e-8, 1e-1] and a random sign;
-    each device's mean over its local batch adds noise of three times that magnitude; a
-    device's partial is its local mean times `scale / n` (the global loss is the mean).
+    each device's mean over its local batch adds Gaussian noise of `noise` times that
+    magnitude; a device's partial is its local mean times `scale / n` (the loss is the mean
+    over the global batch).
     """
     mag = 10.0 ** rng.uniform(-8, -1, ELEMENTS) * rng.choice([-1.0, 1.0], ELEMENTS)
-    local = mag + 3.0 * np.abs(mag) * rng.standard_normal((n, ELEMENTS))
+    local = mag + noise * np.abs(mag) * rng.standard_normal((n, ELEMENTS))
     return local * (scale / n)
+
+
+def _sums(parts: np.ndarray) -> dict:
+    """The float16 ring sum, and the float32 ring sum rounded once to float16."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return {
+            "f16": _ring_sum(parts, np.float16).astype(np.float64),
+            "f32": _ring_sum(parts, np.float32).astype(np.float16).astype(np.float64),
+        }
+
+
+def _max_finite_log2_scale(unit: np.ndarray) -> dict:
+    """Per method, the largest k such that the sum of `unit * 2**k` has no inf."""
+    out = {}
+    for method in ("f16", "f32"):
+        lo, hi = 0, 40  # finite at 2**lo, assumed inf at 2**hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            finite = np.all(np.isfinite(_sums(unit * 2.0**mid)[method]))
+            lo, hi = (mid, hi) if finite else (lo, mid)
+        out[method] = lo
+    return out
 
 
 def _summation_rows(quick: bool) -> list:
     ways = (64, 1024) if quick else (64, 128, 256, 512, 1024)
-    scales = (2.0**15,) if quick else (2.0**12, 2.0**15, 2.0**18)
-    trials = 4 if quick else 32
+    noises = (3.0,) if quick else (3.0, 100.0)
+    trials = 3 if quick else 16
+    scale = 2.0**15
     rows = []
     rng = np.random.default_rng(0)
-    for n in ways:
-        for scale in scales:
-            over = {"f16": 0, "f32": 0}
-            errs = {"f16": [], "f32": []}
+    for noise in noises:
+        for n in ways:
+            errs, under, top = {"f16": [], "f32": []}, {"f16": [], "f32": []}, []
             for _ in range(trials):
-                parts = _partials(rng, n, scale)
-                exact = parts.sum(0)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    sums = {
-                        "f16": _ring_sum(parts, np.float16),
-                        "f32": _ring_sum(parts, np.float32).astype(np.float16),
-                    }
-                for k, s in sums.items():
-                    s = s.astype(np.float64)
-                    if not np.all(np.isfinite(s)):
-                        over[k] += 1
-                        continue
-                    errs[k].append(np.linalg.norm(s - exact) / np.linalg.norm(exact))
+                unit = _partials(rng, n, 1.0, noise)
+                exact = unit.sum(0) * scale
+                for k, s in _sums(unit * scale).items():
+                    if np.all(np.isfinite(s)):
+                        errs[k].append(np.linalg.norm(s - exact) / np.linalg.norm(exact))
+                    under[k].append(np.mean((s == 0) & (exact != 0)))
+                top.append(_max_finite_log2_scale(unit))
             rows.append(
                 [
                     n,
-                    f"2^{int(np.log2(scale))}",
-                    over["f16"] / trials,
-                    over["f32"] / trials,
+                    noise,
                     _median(errs["f16"]),
                     _median(errs["f32"]),
+                    _median(under["f16"]),
+                    _median(under["f32"]),
+                    int(np.median([t["f16"] for t in top])),
+                    int(np.median([t["f32"] for t in top])),
                 ]
             )
     return rows
@@ -147,13 +166,16 @@ def _lm_step(policy: str, loss_scale, seq: int, d_model: int, lr: float):
 
 
 def _gradient_collectives(text: str) -> str:
+    """`"op dtype xCOUNT"` of the reductions of more than 64 bytes (the gradients), and bytes."""
     from mpjax._src.analysis.collectives import collectives
 
-    kinds = {}
+    kinds, total = {}, 0
     for c in collectives(text):
         if c.op in ("all-reduce", "reduce-scatter") and c.bytes > 64:
             kinds[f"{c.op} {c.dtype}"] = kinds.get(f"{c.op} {c.dtype}", 0) + 1
-    return ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+            total += c.bytes
+    text = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+    return f"{text}; {total / 2**20:.2f} MiB"
 
 
 def _train(policy: str, loss_scale, steps: int, batch: int, seq: int = 64, d_model: int = 64):
@@ -269,7 +291,16 @@ def _table(columns, rows) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in fmt])
 
 
-SUM_COLUMNS = ["ways", "loss scale", "overflow f16", "overflow f32", "rel err f16", "rel err f32"]
+SUM_COLUMNS = [
+    "ways",
+    "noise / mean",
+    "rel err f16",
+    "rel err f32",
+    "zeroed f16",
+    "zeroed f32",
+    "max finite log2 scale f16",
+    "max finite log2 scale f32",
+]
 TRAIN_COLUMNS = [
     "compute",
     "reduce",
@@ -285,10 +316,11 @@ def run(quick: bool = False) -> dict:
     """The summation and trajectory tables, as one benchmark record."""
     sums = _summation_rows(quick)
     train = _trajectory_rows(quick)
-    rows = [["sum", *map(str, r)] for r in sums] + [["train", *map(str, r[:6])] for r in train]
+    rows = [["sum", *map(str, r)] for r in sums]
+    rows += [["train", *map(str, r[:6]), "", ""] for r in train]
     return {
         "title": "Gradient reduction dtype: float16/bfloat16 vs float32",
-        "columns": ["part", "a", "b", "c", "d", "e", "f"],
+        "columns": ["part", "a", "b", "c", "d", "e", "f", "g", "h"],
         "rows": rows,
         "notes": "sum: " + ", ".join(SUM_COLUMNS) + "; train: " + ", ".join(TRAIN_COLUMNS[:6]),
         "sum": sums,
@@ -306,7 +338,7 @@ def main(argv=None) -> None:
         print(_table(["policy", "gradient collectives (8 H100s, FSDP)"], _h100_rows()))
         return
     result = run(quick)
-    print("N-way summation of partial scaled gradients (4096-element tensors)\n")
+    print("N-way summation of partial gradients (4096-element tensors; errors at scale 2^15)\n")
     print(_table(SUM_COLUMNS, result["sum"]))
     print(f"\nchar-LM, FSDP over {N_DEVICES} CPU devices\n")
     print(_table(TRAIN_COLUMNS, result["train"]))
