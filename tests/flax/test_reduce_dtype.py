@@ -1,5 +1,8 @@
 """`Policy.reduce_dtype`: the dtype gradients are summed across devices in (8 CPU devices)."""
 
+import re
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -183,3 +186,17 @@ def test_h100_gradient_reductions_have_the_policys_dtype(tmp_path):
         reduce = policy.rsplit(",", 1)[1]
         assert len(dtypes) >= LAYERS, name
         assert set(dtypes) == {want.get(reduce, compute)}, (name, dtypes)
+
+
+def test_guide_code_blocks_run(capsys):
+    """docs/guides/sharding_dtypes.md's ```python blocks run as written (8 CPU devices)."""
+    guide = Path(__file__).resolve().parents[2] / "docs" / "guides" / "sharding_dtypes.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], guide.name, "exec"), {"__name__": "guide"})
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "['f16']",
+        "['f32']",
+        "params=float32,compute=float16,output=float16,reduce=float32",
+    ]
