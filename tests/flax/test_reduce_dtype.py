@@ -109,7 +109,8 @@ def test_bfloat16_reduce_rounds_the_weight_gradient_gemm_to_bfloat16():
     """On CPU the collective is promoted; the HLO still rounds the partial sums to bf16."""
     grad, params, batch = _linen_step("p=f32,c=f16,o=f32,reduce=bf16")
     hlo = jax.jit(grad).lower(params, *batch).as_text()
-    assert "bf16" in hlo
+    gemms = re.findall(r"stablehlo.dot_general .*-> tensor<64x64x(\w+)>", hlo)
+    assert sorted(gemms) == ["bf16"] * LAYERS
 
 
 class NNXMLP(nnx.Module):
