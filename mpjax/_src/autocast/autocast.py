@@ -71,6 +71,7 @@ from mpjax._src.autocast.rules import (
 )
 from mpjax._src.autocast.sharded import SHARDED_RULES
 from mpjax._src.core.policy import Policy, as_float_dtype, get_policy
+from mpjax._src.core.reduce_dot import reduce_dot_general
 from mpjax._src.fp8.recipe import Fp8Recipe
 
 __all__ = ["autocast"]
@@ -114,6 +115,7 @@ class _Ctx(NamedTuple):
     accum: np.dtype | None
     lists: OpLists
     fp8: Fp8Recipe | None = None
+    reduce: np.dtype | None = None
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -247,8 +249,9 @@ def _first_order(
         fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)
+        reduce = _reduced_operands(ctx, name, vals, origins)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
-        outs = lower_precision_op(ctx, prim, params, vals)
+        outs = lower_precision_op(ctx, prim, params, vals, reduce)
         return outs, [LOW] * len(outs)
     if category == "fp32":
         dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
@@ -358,7 +361,19 @@ def _continues_narrow(ctx: _Ctx, name: str, vals: list, origins: list, strong: l
     return origins[m] == NARROW or any(widest([d, ctx.compute]) != ctx.compute for d in others)
 
 
-def lower_precision_op(ctx: _Ctx, prim, params, vals: list) -> list:
+def _reduced_operands(ctx: _Ctx, name: str, vals: list, origins: list) -> tuple | None:
+    """Which operands of a `dot_general` get their cotangent in `ctx.reduce` (None: none).
+
+    The floating operands that are arguments of the function (the parameters): their
+    gradients are what XLA sums across devices under data parallelism / FSDP.
+    """
+    if ctx.reduce is None or name != "dot_general" or len(vals) != 2:
+        return None
+    which = tuple(o == ARG and is_float(dtype_of(v)) for v, o in zip(vals, origins, strict=True))
+    return which if any(which) else None
+
+
+def lower_precision_op(ctx: _Ctx, prim, params, vals: list, reduce: tuple | None = None) -> list:
     """Binds a lower-precision op (dot_general, conv, ...) on compute-dtype operands.
 
     The one place autocast lowers matmul-like ops. Returns compute-dtype outputs. A float32
@@ -366,7 +381,9 @@ def lower_precision_op(ctx: _Ctx, prim, params, vals: list) -> list:
     is bound with a compute-dtype result (see `_IMPLICIT_ACCUMULATION`). Another
     accumulation dtype is asked for explicitly: the op is bound with
     `preferred_element_type=accum` and converted, with a custom JVP whose derivative ops are
-    compute-dtype too.
+    compute-dtype too. With `reduce` (which operands, from the policy's `reduce_dtype`), a
+    `dot_general` is `reduce_dot_general`: those operands' cotangent GEMMs output
+    `ctx.reduce`, the dtype XLA then sums them across devices in.
     """
     compute = ctx.compute
     accumulate = (
@@ -375,6 +392,10 @@ def lower_precision_op(ctx: _Ctx, prim, params, vals: list) -> list:
         and ctx.accum != _IMPLICIT_ACCUMULATION
         and "preferred_element_type" in params
     )
+    if not accumulate and reduce is not None:
+        dims, precision = params["dimension_numbers"], params.get("precision")
+        out = reduce_dot_general(*vals, dims, precision, reduce_dtype=ctx.reduce, operands=reduce)
+        return [cast(out, compute)]
     if not accumulate:
         if "preferred_element_type" in params:
             params = dict(params, preferred_element_type=None)
@@ -449,8 +470,11 @@ def autocast(
     Args:
       fun: the function; omit it to use `autocast(policy=...)` as a decorator.
       policy: a `Policy` or spec string; `compute_dtype` and `output_dtype` are used
-        (`param_dtype` is not: arguments are not cast). `output_dtype` applies where values
-        leave `fun`, as it applies at the boundary of the model for `apply_policy`.
+        (`param_dtype` is not: arguments are not cast); with `reduce_dtype` set, the
+        gradients of the array arguments that are `dot_general` operands (the weights) leave
+        their GEMM in `reduce_dtype`, the dtype XLA sums them across devices in.
+        `output_dtype` applies where values leave `fun`, as it applies at the boundary of
+        the model for `apply_policy`.
       op_lists: an `OpLists`; defaults to `OpLists()`.
       accumulation_dtype: the accumulation dtype of lower-precision ops. float32 (the
         default) is what every XLA backend's bf16/fp16 GEMMs and convolutions do, so the ops
@@ -504,7 +528,7 @@ def autocast(
         if accumulation_dtype is None
         else as_float_dtype(accumulation_dtype, "autocast accumulation_dtype")
     )
-    ctx = _Ctx(pol.compute_dtype, accum, lists, check_autocast_recipe(fp8))
+    ctx = _Ctx(pol.compute_dtype, accum, lists, check_autocast_recipe(fp8), pol.reduce_dtype)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

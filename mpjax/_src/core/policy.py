@@ -49,6 +49,8 @@ _KEYS = {
     "c": "compute",
     "output": "output",
     "o": "output",
+    "reduce": "reduce",
+    "r": "reduce",
 }
 
 
@@ -166,6 +168,10 @@ class Policy:
       param_dtype: dtype parameters are stored in.
       compute_dtype: dtype matmuls and convolutions run in.
       output_dtype: dtype a module's outputs leave in.
+      reduce_dtype: dtype the weight gradients of `Dense`-like GEMMs leave their GEMM in, so
+        the dtype XLA sums them across devices in under data parallelism / FSDP (PyTorch
+        FSDP's `reduce_dtype`), then converted once to the compute dtype; None (the default)
+        leaves them in the compute dtype, as without a policy.
 
     Example:
       >>> from mpjax import Policy
@@ -177,11 +183,14 @@ class Policy:
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
+    reduce_dtype: Any = None
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            value = as_float_dtype(getattr(self, field), f"Policy.{field}")
-            object.__setattr__(self, field, value)
+        for field in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
+            value = getattr(self, field)
+            if field == "reduce_dtype" and value is None:
+                continue
+            object.__setattr__(self, field, as_float_dtype(value, f"Policy.{field}"))
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating leaves of `tree` to `param_dtype`; other leaves pass through."""
@@ -194,6 +203,15 @@ class Policy:
     def cast_to_output(self, tree: Any) -> Any:
         """Casts floating leaves of `tree` to `output_dtype`; other leaves pass through."""
         return cast_floating(tree, self.output_dtype)
+
+    def with_reduce_dtype(self, reduce_dtype: Any) -> Policy:
+        """Returns this policy with `reduce_dtype` replaced (a dtype, a name, or None).
+
+        Example:
+          >>> str(get_policy("c=f16").with_reduce_dtype("f32"))
+          'params=float32,compute=float16,output=float16,reduce=float32'
+        """
+        return dataclasses.replace(self, reduce_dtype=reduce_dtype)
 
     def with_output_param_dtype(self) -> Policy:
         """Returns this policy with `output_dtype` set to `param_dtype`."""
@@ -236,16 +254,20 @@ class Policy:
         return self.compute_dtype.itemsize < self.param_dtype.itemsize
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
             f"output={self.output_dtype.name}"
         )
+        if self.reduce_dtype is not None:
+            text += f",reduce={self.reduce_dtype.name}"
+        return text
 
 
 def get_policy(spec: str | Policy) -> Policy:
     """Parses a policy spec in jmp's grammar, or a Keras policy name.
 
     `"params=float32,compute=bfloat16,output=float32"`; short keys `p=`, `c=`, `o=`;
+    `reduce=`/`r=` sets `Policy.reduce_dtype` (unset: None);
     dtype names `float32/f32/full`, `bfloat16/bf16/half`, `float16/f16`,
     `float64/f64`; a bare name sets all three. Params default to float32, compute to
     params, output to compute. `get_policy(str(p)) == p` for every policy. Unlike jmp,
@@ -323,4 +345,4 @@ def get_policy(spec: str | Policy) -> Policy:
     params = values.get("params", jnp.float32)
     compute = values.get("compute", params)
     output = values.get("output", compute)
-    return Policy(params, compute, output)
+    return Policy(params, compute, output, values.get("reduce"))

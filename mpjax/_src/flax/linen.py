@@ -245,6 +245,7 @@ class _Interceptor:
             res.float32_softmax,
             nn.dot_product_attention,
             float32_softmax_attention,
+            res.policy.reduce_dtype,
         )
         fp8 = self.fp8 if context.method_name == "__call__" else None
         fp8_name = f"{type(self.root).__name__}/{'/'.join(self.rel_path(module))}"

@@ -219,6 +219,7 @@ def _policy_method(self, fn, args, kwargs):
         info.float32_softmax,
         nnx.dot_product_attention,
         float32_softmax_attention,
+        info.policy.reduce_dtype,
     )
     fp8 = nnx_delayed_override(self) if fn.__name__ == "__call__" else contextlib.nullcontext()
     token = _CALL_STACK.set(stack + (self,))

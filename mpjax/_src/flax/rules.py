@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from mpjax._src.core.policy import Policy, get_policy
+from mpjax._src.core.reduce_dot import reduce_dot_general
 from mpjax._src.flax.defaults import Defaults
 
 __all__ = ["Resolved", "Rule", "Rules", "field_overrides", "parse_rules", "resolve"]
@@ -279,15 +282,38 @@ def _is_compute_dtype_field(value: Any) -> bool:
         return False
 
 
+# Layers whose `dot_general(inputs, kernel, ...)` takes the kernel as its right operand.
+_KERNEL_RHS_LAYERS = frozenset({"Dense", "DenseGeneral", "Linear", "LinearGeneral"})
+
+
+def _reduces_kernel(module: Any) -> bool:
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return (
+        bool(names & _KERNEL_RHS_LAYERS)
+        and getattr(module, "dot_general", 0) in (None, lax.dot_general)
+        and getattr(module, "dot_general_cls", None) is None
+    )
+
+
 @contextlib.contextmanager
-def field_overrides(module, compute_dtype, float32_softmax, default_attention, f32_attention):
+def field_overrides(
+    module,
+    compute_dtype,
+    float32_softmax,
+    default_attention,
+    f32_attention,
+    reduce_dtype=None,
+):
     """Temporarily sets a module's dtype-related fields for one call, then restores them.
 
     - `dtype` (Flax's "dtype of the computation"), when it is None or a floating dtype,
       is set to `compute_dtype`, so built-in layers promote to it (NNX layers such as
       `Embed` fix it at construction; an explicit `dtype=` would otherwise win);
     - `attention_fn`, when `float32_softmax` and it is Flax's default, is replaced by
-      the float32-softmax variant.
+      the float32-softmax variant;
+    - `dot_general`, when `reduce_dtype` is set and the module is a `Dense`/`DenseGeneral`
+      (linen) or `Linear`/`LinearGeneral` (NNX) with no `dot_general` of its own, is
+      `reduce_dot_general`: the kernel gradient leaves its GEMM in `reduce_dtype`.
 
     Args:
       module: the module (its fields are set with `object.__setattr__`, as Flax itself
@@ -296,6 +322,7 @@ def field_overrides(module, compute_dtype, float32_softmax, default_attention, f
       float32_softmax: whether to swap the attention function.
       default_attention: the framework's default attention function.
       f32_attention: its float32-softmax replacement.
+      reduce_dtype: the policy's `reduce_dtype` (None: no `dot_general` override).
     """
     changes = []
     if module is not None:
@@ -303,6 +330,9 @@ def field_overrides(module, compute_dtype, float32_softmax, default_attention, f
             changes.append(("dtype", compute_dtype))
         if float32_softmax and getattr(module, "attention_fn", None) is default_attention:
             changes.append(("attention_fn", f32_attention))
+        if reduce_dtype is not None and _reduces_kernel(module):
+            dot = functools.partial(reduce_dot_general, reduce_dtype=reduce_dtype)
+            changes.append(("dot_general", dot))
     saved = [(name, module.__dict__[name]) for name, _ in changes if name in module.__dict__]
     try:
         for name, value in changes:
