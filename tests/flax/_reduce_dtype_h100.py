@@ -16,7 +16,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -26,6 +25,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import mpjax  # noqa: E402
 from mpjax._src.analysis.collectives import collectives  # noqa: E402
 from mpjax._src.analysis.target import h100_topology  # noqa: E402
+from tests.helpers.models import TanhMLP  # noqa: E402
 
 WIDTH, BATCH, LAYERS = 256, 4096, 3
 POLICIES = (
@@ -35,14 +35,6 @@ POLICIES = (
     "p=f32,c=bf16,o=f32",
     "p=f32,c=bf16,o=f32,r=f32",
 )
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(LAYERS):
-            x = jnp.tanh(nn.Dense(WIDTH, use_bias=False)(x))
-        return x
 
 
 def _plain(params, x):
@@ -74,10 +66,12 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     mesh = Mesh(np.array(h100_topology("1x1x8").devices), ("fsdp",))
-    params = jax.eval_shape(MLP().init, jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
+    params = jax.eval_shape(TanhMLP(WIDTH, LAYERS).init, jax.random.key(0), jnp.zeros((1, WIDTH)))[
+        "params"
+    ]
     out = {}
     for policy in POLICIES:
-        linen = mpjax.apply_policy(MLP(), policy)
+        linen = mpjax.apply_policy(TanhMLP(WIDTH, LAYERS), policy)
         out[f"linen {policy}"] = _reduction_dtypes(
             lambda p, x, m=linen: m.apply({"params": p}, x), mesh, params
         )

@@ -3,7 +3,6 @@
 import re
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,17 +14,10 @@ from jax.sharding import PartitionSpec as P
 import mpjax
 from mpjax._src.analysis.collectives import collectives
 from tests.helpers.gpu import _run_json
+from tests.helpers.models import TanhMLP
 
 WIDTH, BATCH, LAYERS = 64, 512, 3
 HLO_DTYPE = {None: "f16", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(LAYERS):
-            x = jnp.tanh(nn.Dense(WIDTH, use_bias=False)(x))
-        return x
 
 
 def _mesh():
@@ -39,9 +31,9 @@ def _data():
 
 
 def _linen_step(policy: str):
-    model = mpjax.apply_policy(MLP(), policy)
+    model = mpjax.apply_policy(TanhMLP(WIDTH, LAYERS), policy)
     x, y = _data()
-    params = MLP().init(jax.random.key(0), x)["params"]
+    params = TanhMLP(WIDTH, LAYERS).init(jax.random.key(0), x)["params"]
 
     def loss(p, x, y):
         out = model.apply({"params": p}, x).astype(jnp.float32)
@@ -145,9 +137,11 @@ def test_nnx_gradient_reduction_dtype_is_the_policys(reduce):
 def test_single_device_forward_program_is_unchanged():
     """The forward pass (no gradient) is the same program with and without reduce_dtype."""
     x, _ = _data()
-    params = MLP().init(jax.random.key(0), x)["params"]
+    params = TanhMLP(WIDTH, LAYERS).init(jax.random.key(0), x)["params"]
     texts = [
-        jax.jit(mpjax.apply_policy(MLP(), p).apply).lower({"params": params}, x).as_text()
+        jax.jit(mpjax.apply_policy(TanhMLP(WIDTH, LAYERS), p).apply)
+        .lower({"params": params}, x)
+        .as_text()
         for p in ("p=f32,c=f16,o=f32", "p=f32,c=f16,o=f32,reduce=f32")
     ]
     strip = [t.split("\n", 1)[1] for t in texts]  # the module name line differs
@@ -165,7 +159,7 @@ def test_autocast_gradient_reduction_dtype_is_the_policys(reduce):
     policy = "p=f32,c=f16,o=f32" + (f",reduce={reduce}" if reduce else "")
     fwd = mpjax.autocast(_plain_mlp, policy)
     x, y = _data()
-    params = MLP().init(jax.random.key(0), x)["params"]
+    params = TanhMLP(WIDTH, LAYERS).init(jax.random.key(0), x)["params"]
 
     def loss(p, x, y):
         return 2.0**12 * jnp.mean((fwd(p, x).astype(jnp.float32) - y) ** 2)

@@ -208,8 +208,9 @@ class Policy:
         """Returns this policy with `reduce_dtype` replaced (a dtype, a name, or None).
 
         Example:
-          >>> str(get_policy("c=f16").with_reduce_dtype("f32"))
-          'params=float32,compute=float16,output=float16,reduce=float32'
+          >>> import mpjax
+          >>> mpjax.get_policy("c=f16").with_reduce_dtype("f32").reduce_dtype
+          dtype('float32')
         """
         return dataclasses.replace(self, reduce_dtype=reduce_dtype)
 
