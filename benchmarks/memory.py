@@ -17,8 +17,9 @@ One command:
    bfloat16, params stored in each mode's dtype, state donated) on the same cost model:
    roofline and bytes vs today's step with bf16 params and a float32 master.
 
-Convergence (char-LM, digits) is run by `examples/train_char_lm.py --optimizer-state ...
---master-weights ...`; see docs/guides/memory.md. `--quick` uses the small LM.
+Convergence is run by the examples (`examples/train_char_lm.py --optimizer-state ...
+--master-weights ...`, `examples/train_digits.py --optimizer-state ...`); see
+docs/guides/memory.md. `--quick` uses the small LM.
 """
 
 from __future__ import annotations
