@@ -17,7 +17,10 @@ hand-written Flax bf16 + optax.adamw anchor of the same run.
 the axis. The step is one global jit program, so BatchNorm's batch statistics are over the
 global batch: XLA all-reduces them (synchronised BatchNorm). Anchor: hand-written Flax bf16
 ResNet + optax.sgd; the mpjax paths are the policy, fp16 + `loss_scaled` (default check and
-`impl="pallas"`) and the net on `mpjax.nn.ConvBN` (XLA and Pallas kernels).
+`impl="pallas"`) and the net on `mpjax.nn.ConvBN` (XLA and Pallas kernels); `fp16-hand`
+(hand-written Flax float16) shows what XLA does with any float16 net: it all-gathers the
+batch for the stem max-pool's backward (`select_and_scatter`) in float16, as the fp16
+policy does.
 
     JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick
     JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick --model resnet
@@ -33,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
@@ -102,6 +106,8 @@ VARIANTS = {
 RESNET_DP_VARIANTS = {
     "bf16": RESNET_VARIANTS["bf16"],
     "policy": RESNET_VARIANTS["policy"],
+    # Hand-written Flax float16 (no loss scaling): what XLA does with a float16 net at all.
+    "fp16-hand": _resnet_with(lambda c: _resnet(c, dtype=jnp.float16)),
     "fp16-bare": RESNET_VARIANTS["fp16-bare"],  # the fp16 policy, no loss scaling
     "fp16-scaled": RESNET_VARIANTS["fp16-scaled"],
     "fp16-scaled-pallas": _resnet_with(
