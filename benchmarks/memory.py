@@ -13,9 +13,13 @@ One command:
    step (bf16 params, float32 master, float32 Adam state). Runs under
    `$MPJAX_GPU_AOT_PYTHON` when this python has no CUDA plugin; reported as skipped
    otherwise.
+3. The whole train step (forward, backward, optimizer; the GPT-2-like LM computing in
+   bfloat16, params stored in each mode's dtype, state donated) on the same cost model:
+   roofline and bytes vs today's step with bf16 params and a float32 master.
 
-Convergence (char-LM, digits) is run by `examples/train_char_lm.py --optimizer-state ...
---master-weights ...`; see docs/guides/memory.md. `--quick` uses the small LM.
+Convergence is run by the examples (`examples/train_char_lm.py --optimizer-state ...
+--master-weights ...`, `examples/train_digits.py --optimizer-state ...`); see
+docs/guides/memory.md. `--quick` uses the small LM.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import optax  # noqa: E402
 import benchmarks.gpu_cost_model as gcm  # noqa: E402
 import mpjax  # noqa: E402
 from benchmarks.train_models import LM, LM_SIZES, VOCAB  # noqa: E402
+from benchmarks.train_variants import lm_program  # noqa: E402
 from mpjax._src.analysis.target import compile_step, h100_sharding  # noqa: E402
 
 LR = 3e-4
@@ -126,6 +131,38 @@ def step_costs(size: str) -> list[dict]:
     return rows
 
 
+def lm_config(size: str) -> dict:
+    """The LM size entry of `size` with its vocabulary (`lm_program`'s `cfg`)."""
+    cfg = dict(LM_SIZES[size])
+    cfg["vocab"] = VOCAB["full" if size == "gpt2" else "quick"]
+    return cfg
+
+
+def train_step_costs(size: str) -> list[dict]:
+    """The whole train step of each mode on the H100 cost model, vs today's."""
+    sharding = h100_sharding()
+    cfg = lm_config(size)
+    keys = ("layers", "d", "heads", "mlp", "seq")
+    rows = []
+    for name, (dtype, make) in MODES.items():
+        model = LM(cfg["vocab"], **{k: cfg[k] for k in keys}, dtype=jnp.bfloat16, param_dtype=dtype)
+        scaled = name != "optax.adamw, float32 params"
+        program = lm_program(cfg, model.apply, model, tx=make(), scaled=scaled)
+        key = jax.random.key(0)
+        args = (jax.eval_shape(program.init, key), jax.eval_shape(program.batch, key))
+        m = gcm.measure(compile_step(program.step, args, sharding))
+        row = {"mode": name, "bytes": m["bytes"], "roofline_s": m["roofline_s"]}
+        rows.append({**row, "temp_bytes": m["temp_bytes"], "kernels": m["kernels"]})
+        print(f"[memory] train step {name}: {m['roofline_s'] * 1e3:.2f} ms", flush=True)
+    anchor = next(r for r in rows if r["mode"] == ANCHOR)
+    for r in rows:
+        r["roofline_ms"] = r["roofline_s"] * 1e3
+        r["temp_GiB"] = r["temp_bytes"] / 2**30
+        r["bytes_vs_today"] = r["bytes"] / anchor["bytes"]
+        r["roofline_vs_today"] = r["roofline_s"] / anchor["roofline_s"]
+    return rows
+
+
 def _table(rows: list[dict], keys: list[str]) -> str:
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -141,9 +178,11 @@ def run(quick: bool = False, costs: bool = True) -> dict:
     if costs:
         if gcm.plugin_available():
             out["step"] = step_costs(size)
+            out["train_step"] = train_step_costs(size)
         else:
             try:
-                out["step"] = gcm.delegate_to_gpu_aot(Path(__file__), quick)["step"]
+                delegated = gcm.delegate_to_gpu_aot(Path(__file__), quick)
+                out["step"], out["train_step"] = delegated["step"], delegated["train_step"]
             except gcm.Skip as e:
                 out["step_skipped"] = str(e)
     return out
@@ -162,6 +201,10 @@ def main(argv=None) -> dict:
     if "step" in result:
         print("\nOptimizer step on the H100 cost model")
         print(_table(result["step"], ["mode", "bytes", "bytes_vs_today", "roofline_vs_today"]))
+        batch = lm_config(result["size"])["batch"]
+        print(f"\nWhole train step on the H100 cost model (batch {batch})")
+        keys = ["mode", "roofline_ms", "roofline_vs_today", "bytes_vs_today", "temp_GiB"]
+        print(_table(result["train_step"], keys))
     else:
         print("\nH100 cost model skipped:", result.get("step_skipped"))
     if args.json:

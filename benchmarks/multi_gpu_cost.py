@@ -1,4 +1,4 @@
-"""Multi-GPU cost model: the GPT-2-small train step under FSDP on 8 deviceless H100s, collectives.
+"""Multi-GPU cost model: GPT-2 small (FSDP) and ResNet-50 (data parallel) on 8 deviceless H100s.
 
 Each variant's train step is compiled (no GPU needed; the `gpu-aot` environment, see
 `benchmarks/gpu_cost_model.py`) for 8 H100s of `h100_topology("1x1x8")` (one host) or
@@ -12,7 +12,18 @@ NVLink's 450 GB/s and at the inter-host bandwidth (`--inter-host-gbps`, default 
 per-device temp and argument memory and the state bytes per parameter. Ratios are against the
 hand-written Flax bf16 + optax.adamw anchor of the same run.
 
+`--model resnet` (or `all`): ResNet-50 data parallel over the same 8 devices: the state
+(params, BatchNorm statistics, SGD momentum) replicated, the batch (128 per device) split on
+the axis. The step is one global jit program, so BatchNorm's batch statistics are over the
+global batch: XLA all-reduces them (synchronised BatchNorm). Anchor: hand-written Flax bf16
+ResNet + optax.sgd; the mpjax paths are the policy, fp16 + `loss_scaled` (default check and
+`impl="pallas"`) and the net on `mpjax.nn.ConvBN` (XLA and Pallas kernels); `fp16-hand`
+(hand-written Flax float16) shows what XLA does with any float16 net: it all-gathers the
+batch for the stem max-pool's backward (`select_and_scatter`) in float16, as the fp16
+policy does.
+
     JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick
+    JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick --model resnet
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
@@ -34,24 +46,29 @@ import mpjax  # noqa: E402
 from benchmarks.common import emit  # noqa: E402
 from benchmarks.fp8_cost import FP8_VARIANTS  # noqa: E402
 from benchmarks.gpu_cost_model import delegate_to_gpu_aot, plugin_available  # noqa: E402
-from benchmarks.train_models import LM_SIZES, VOCAB  # noqa: E402
+from benchmarks.train_models import LM_SIZES, RESNET_SIZES, VOCAB  # noqa: E402
 from benchmarks.train_variants import (  # noqa: E402
     FP16,
     LM_VARIANTS,
     ONE_STRING,
+    RESNET_VARIANTS,
+    _convbn,
     _lm,
     _lm_with,
+    _resnet,
+    _resnet_with,
 )
 from mpjax._src.analysis.collectives import collectives, comm_seconds, summary  # noqa: E402
 from mpjax._src.analysis.target import h100_topology  # noqa: E402
 
 REQUIRES_GPU = False
-TITLE = "Multi-GPU cost model: GPT-2 FSDP train step on 8 deviceless H100s, vs hand-written bf16"
+TITLE = "Multi-GPU cost model: train steps on 8 deviceless H100s, vs hand-written bf16"
 AXIS = "fsdp"
 NVLINK_BYTES_PER_S = 450e9
 ANCHOR = "bf16"
 MIB = 2**20
 COLUMNS = [
+    "model",
     "topology",
     "variant",
     "collectives",
@@ -85,9 +102,34 @@ VARIANTS = {
     "fp8-tensorwise": FP8_VARIANTS["fp8-tensorwise"],
 }
 
+# ResNet-50 data parallel: hand-written bf16 + SGD momentum (anchor) and mpjax's paths.
+RESNET_DP_VARIANTS = {
+    "bf16": RESNET_VARIANTS["bf16"],
+    "policy": RESNET_VARIANTS["policy"],
+    # Hand-written Flax float16 (no loss scaling): what XLA does with a float16 net at all.
+    "fp16-hand": _resnet_with(lambda c: _resnet(c, dtype=jnp.float16)),
+    "fp16-bare": RESNET_VARIANTS["fp16-bare"],  # the fp16 policy, no loss scaling
+    "fp16-scaled": RESNET_VARIANTS["fp16-scaled"],
+    "fp16-scaled-pallas": _resnet_with(
+        lambda c: mpjax.apply_policy(_resnet(c), FP16),
+        tx=mpjax.loss_scaled(optax.sgd(0.1, momentum=0.9), impl="pallas"),
+        scaled=True,
+    ),
+    "convbn-xla": _convbn("xla", ONE_STRING),
+    "convbn-pallas": _convbn("pallas", ONE_STRING),
+}
 
-def config(quick: bool) -> dict:
-    """GPT-2 small at global batch 64 (8 per device), or the quick LM at batch 8."""
+# model -> (variants, how the state is split: "fsdp" or "replicated")
+MODELS = {"lm": (VARIANTS, "fsdp"), "resnet": (RESNET_DP_VARIANTS, "replicated")}
+
+
+def config(quick: bool, model: str = "lm") -> dict:
+    """GPT-2 small at global batch 64 (8 per device), or the quick LM at batch 8; ResNet-50
+    at 128 images per device (global 1024), or the quick ResNet at 16 per device."""
+    if model == "resnet":
+        cfg = dict(RESNET_SIZES["quick" if quick else "full"])
+        cfg["batch"] *= 8
+        return cfg
     cfg = dict(LM_SIZES["quick" if quick else "gpt2"])
     cfg["vocab"] = VOCAB["quick" if quick else "full"]
     cfg["batch"] = 8 if quick else 64
@@ -111,11 +153,13 @@ def _placed(tree, mesh: Mesh, spec_fn):
     return jax.tree.map(one, tree)
 
 
-def compile_fsdp(program, mesh: Mesh):
-    """The train step compiled with FSDP shardings of its state and batch."""
+def compile_fsdp(program, mesh: Mesh, split: str = "fsdp"):
+    """The train step compiled with its batch split over the mesh and its state split
+    FSDP-style (`split="fsdp"`) or replicated (`"replicated"`: data parallel)."""
     n = mesh.devices.size
     key = jax.random.key(0)
-    state = _placed(jax.eval_shape(program.init, key), mesh, lambda x: fsdp_spec(x.shape, n))
+    spec = (lambda x: fsdp_spec(x.shape, n)) if split == "fsdp" else (lambda x: P())
+    state = _placed(jax.eval_shape(program.init, key), mesh, spec)
     batch = _placed(jax.eval_shape(program.batch, key), mesh, lambda x: P(AXIS) if x.ndim else P())
     out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
     step = jax.jit(program.step, out_shardings=out, donate_argnums=0)
@@ -126,16 +170,20 @@ def _param_count(state) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0]))
 
 
-def measure(topology: str, variant: str, cfg: dict, inter_host_bytes_per_s: float) -> dict:
+def measure(
+    topology: str, variant: str, cfg: dict, inter_host_bytes_per_s: float, model: str = "lm"
+) -> dict:
     """One variant on one topology: collectives, comm time, memory, state bytes per param."""
     devices = h100_topology(topology).devices
     mesh = Mesh(np.array(devices).reshape(len(devices)), (AXIS,))
-    compiled, state = compile_fsdp(VARIANTS[variant](cfg), mesh)
+    variants, split = MODELS[model]
+    compiled, state = compile_fsdp(variants[variant](cfg), mesh, split)
     records = collectives(compiled.as_text())
     memory = compiled.memory_analysis()
     n = len(devices)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     return {
+        "model": model,
         "topology": topology,
         "variant": variant,
         "collectives": len(records),
@@ -156,6 +204,7 @@ def _row(r: dict, anchor: dict) -> list:
         f"{k} {v['count']}x {v['bytes'] / MIB:.2f}" for k, v in r["by_op_dtype"].items()
     )
     return [
+        r["model"],
         r["topology"],
         r["variant"],
         r["collectives"],
@@ -171,31 +220,44 @@ def _row(r: dict, anchor: dict) -> list:
 
 
 def run(
-    quick: bool = False, topologies=("1x1x8", "2x1x4"), variants=None, inter_host_gbps=50.0
+    quick: bool = False,
+    topologies=("1x1x8", "2x1x4"),
+    variants=None,
+    inter_host_gbps=50.0,
+    models=("lm",),
 ) -> dict:
-    """Every variant on every topology (the `benchmarks/run.py` entry)."""
+    """Every variant of every model on every topology (the `benchmarks/run.py` entry)."""
     if not plugin_available():
         return delegate_to_gpu_aot(Path(__file__), quick)
-    cfg = config(quick)
-    wanted = list(variants or VARIANTS)
-    if ANCHOR not in wanted:
-        wanted.insert(0, ANCHOR)
-    results = [measure(t, v, cfg, inter_host_gbps * 1e9) for t in topologies for v in wanted]
-    anchors = {r["topology"]: r for r in results if r["variant"] == ANCHOR}
+    results, configs = [], {}
+    for model in models:
+        configs[model] = cfg = config(quick, model)
+        known = MODELS[model][0]
+        wanted = [v for v in (variants or known) if v in known]
+        if ANCHOR not in wanted:
+            wanted.insert(0, ANCHOR)
+        for t in topologies:
+            for v in wanted:
+                results.append(measure(t, v, cfg, inter_host_gbps * 1e9, model))
+                print(f"[multi-gpu] {model} {t} {v}", file=sys.stderr, flush=True)
+    anchors = {(r["model"], r["topology"]): r for r in results if r["variant"] == ANCHOR}
     return {
         "title": TITLE + (" (quick sizes)" if quick else ""),
         "columns": COLUMNS,
-        "rows": [_row(r, anchors[r["topology"]]) for r in results],
+        "rows": [_row(r, anchors[r["model"], r["topology"]]) for r in results],
         "notes": (
-            f"jax {jax.__version__}; LM {cfg}; mesh ('{AXIS}',) over the 8 devices of each "
-            "topology (2x1x4: every collective crosses hosts); state leaves split along their "
-            "largest dimension divisible by 8, batch split on the same axis, state donated. "
+            f"jax {jax.__version__}; sizes {configs} (batch: global); mesh ('{AXIS}',) over "
+            "the 8 devices of each topology (2x1x4: every collective crosses hosts). LM: "
+            "FSDP, state leaves split along their largest dimension divisible by 8; ResNet: "
+            "data parallel, state replicated, BatchNorm statistics over the global batch. "
+            "Batch split on the axis, state donated. "
             "Collectives: one per array moved (a combined all-reduce of k arrays counts k); "
             "bytes: gathered result of an all-gather, operand of a reduce-scatter, array of an "
             "all-reduce. Comm: ring estimate, sum over collectives, no overlap, at 450 GB/s "
             f"(NVLink) and {inter_host_gbps} GB/s (inter-host). Memory: XLA's per-device "
             "buffer assignment. State bytes/param: all state leaves (params, optimizer "
-            "state, master weights, scale, fp8 meta) over the parameter count."
+            "state, master weights, scale, fp8 meta, BatchNorm statistics) over the "
+            "parameter count."
         ),
         "details": [{k: v for k, v in r.items() if k != "records"} for r in results],
     }
@@ -206,18 +268,22 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--topologies", default="1x1x8,2x1x4")
-    parser.add_argument("--variants", default="", help=f"comma-separated, of {list(VARIANTS)}")
+    parser.add_argument("--model", default="lm", choices=("lm", "resnet", "all"))
+    known = sorted(set(VARIANTS) | set(RESNET_DP_VARIANTS))
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {known}")
     parser.add_argument("--inter-host-gbps", type=float, default=50.0)
     parser.add_argument("--json", default=None, help="write the full figures to this file")
     args = parser.parse_args(argv)
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(wanted) - set(VARIANTS))
+    models = ("lm", "resnet") if args.model == "all" else (args.model,)
+    known = set().union(*(MODELS[m][0] for m in models))
+    unknown = sorted(set(wanted) - known)
     if unknown:
-        parser.error(f"--variants: unknown {unknown}; known {list(VARIANTS)}")
+        parser.error(f"--variants: unknown {unknown} for --model {args.model}; known {known}")
     if not plugin_available():
         raise SystemExit("multi_gpu_cost: deviceless CUDA compile unavailable (no plugin)")
     topologies = tuple(t.strip() for t in args.topologies.split(",") if t.strip())
-    result = run(args.quick, topologies, wanted or None, args.inter_host_gbps)
+    result = run(args.quick, topologies, wanted or None, args.inter_host_gbps, models)
     return emit(result, args.json)
 
 

@@ -11,15 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 import mpjax
 
 __all__ = [
+    "OPTIMIZER_STATES",
     "PRECISIONS",
     "RunResult",
     "format_table",
     "loss_scale_for",
+    "optimizer_with_state",
     "divergence_check",
     "plot_runs",
     "policy_for",
@@ -39,6 +43,33 @@ PRECISIONS: dict[str, tuple[str, str]] = {
 
 
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16")
+
+# --optimizer-state: the optimizer's state in float32, or in bfloat16 rounded
+# stochastically ("bf16") or to nearest ("bf16-nearest") by `mpjax.low_precision_state`.
+OPTIMIZER_STATES = ("f32", "bf16", "bf16-nearest")
+
+
+def optimizer_with_state(
+    inner: optax.GradientTransformation, optimizer_state: str
+) -> optax.GradientTransformation:
+    """`inner` with its state in float32 ("f32") or bfloat16 ("bf16": stochastic rounding).
+
+    Args:
+      inner: the optimizer.
+      optimizer_state: one of `OPTIMIZER_STATES`.
+
+    Returns:
+      `inner` itself for "f32", else `mpjax.low_precision_state(inner, jnp.bfloat16, ...)`.
+    """
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"unknown optimizer state {optimizer_state!r}; choose from "
+            f"{', '.join(OPTIMIZER_STATES)}"
+        )
+    if optimizer_state == "f32":
+        return inner
+    rounding = "nearest" if optimizer_state == "bf16-nearest" else "stochastic"
+    return mpjax.low_precision_state(inner, jnp.bfloat16, rounding=rounding)
 
 
 def _check_precision(name: str) -> None:

@@ -35,11 +35,13 @@ import optax
 import mpjax
 from examples.common import (
     DEFAULT_PRECISIONS,
+    OPTIMIZER_STATES,
     PRECISIONS,
     RunResult,
     divergence_check,
     format_table,
     loss_scale_for,
+    optimizer_with_state,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -69,17 +71,6 @@ _LN2 = float(np.log(2.0))
 # (the top-level Dense) stays in bf16, as LM heads usually do.
 FP8 = "fp8"
 FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
-
-
-OPTIMIZER_STATES = ("f32", "bf16", "bf16-nearest")
-
-
-def optimizer_with_state(inner: optax.GradientTransformation, optimizer_state: str):
-    """`inner` with its state in float32 ("f32") or bfloat16 ("bf16": stochastic rounding)."""
-    if optimizer_state == "f32":
-        return inner
-    rounding = "nearest" if optimizer_state == "bf16-nearest" else "stochastic"
-    return mpjax.low_precision_state(inner, jnp.bfloat16, rounding=rounding)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ Run from the repository root:
 
     python examples/train_digits.py                 # fp32, bf16, fp16; table + results/digits.png
     python examples/train_digits.py --precisions fp32 fp16 fp16-noscale --loss-multiplier 6.1e-5
+    python examples/train_digits.py --precisions bf16 --optimizer-state bf16  # bf16 AdamW state
 
 The model is a plain float32 Flax module; `apply_precision` wraps it with
 `mpjax.apply_policy`, and the optimiser is `mpjax.loss_scaled(optax.adamw(...))`. The
@@ -32,11 +33,13 @@ import optax
 import mpjax
 from examples.common import (
     DEFAULT_PRECISIONS,
+    OPTIMIZER_STATES,
     PRECISIONS,
     RunResult,
     divergence_check,
     format_table,
     loss_scale_for,
+    optimizer_with_state,
     plot_runs,
     policy_for,
     run_arg_parser,
@@ -80,6 +83,9 @@ class DigitsConfig:
         fp16's smallest subnormal, the regime loss scaling exists for.
       initial_scale: initial dynamic loss scale (fp16 only).
       growth_interval: finite steps between loss-scale doublings (fp16 only).
+      optimizer_state: "f32" (AdamW moments in float32), "bf16" (bfloat16, stochastic
+        rounding: `mpjax.low_precision_state`) or "bf16-nearest". The params are stored
+        in float32 under every precision, so `loss_scaled` keeps no master copy.
     """
 
     precision: str = "fp16"
@@ -93,8 +99,14 @@ class DigitsConfig:
     loss_multiplier: float = 1.0
     initial_scale: float = 2.0**15
     growth_interval: int = 50
+    optimizer_state: str = "f32"
 
     def __post_init__(self):
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"DigitsConfig.optimizer_state={self.optimizer_state!r}; choose from "
+                f"{', '.join(OPTIMIZER_STATES)}"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"DigitsConfig.precision={self.precision!r}; choose from {', '.join(PRECISIONS)}"
@@ -196,9 +208,15 @@ def build_model(config: DigitsConfig) -> nn.Module:
 
 
 def build_optimizer(config: DigitsConfig) -> optax.GradientTransformation:
-    """`mpjax.loss_scaled(optax.adamw(...))` with the loss scale of `config.precision`."""
+    """`mpjax.loss_scaled(optax.adamw(...))` with the loss scale of `config.precision`.
+
+    The AdamW state is kept in `config.optimizer_state` (`optimizer_with_state`).
+    """
     schedule = optax.cosine_decay_schedule(config.learning_rate, config.steps)
-    inner = optax.adamw(schedule, eps=config.adam_eps, weight_decay=config.weight_decay)
+    inner = optimizer_with_state(
+        optax.adamw(schedule, eps=config.adam_eps, weight_decay=config.weight_decay),
+        config.optimizer_state,
+    )
     loss_scale = loss_scale_for(
         config.precision,
         initial_scale=config.initial_scale,
@@ -421,6 +439,13 @@ def _parser() -> argparse.ArgumentParser:
         help="multiply the loss by this before differentiating (e.g. 6.1e-5 = 2^-14 "
         "makes fp16 gradients underflow without loss scaling; see underflow_demo.py)",
     )
+    p.add_argument(
+        "--optimizer-state",
+        choices=OPTIMIZER_STATES,
+        default="f32",
+        help="AdamW moments in float32, or bfloat16 (stochastic or nearest rounding); the "
+        "params are float32 under every precision, so there is no --master-weights",
+    )
     return p
 
 
@@ -433,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         width=args.width,
         num_blocks=args.blocks,
         loss_multiplier=args.loss_multiplier,
+        optimizer_state=args.optimizer_state,
         **run_kwargs(args),
     )
     print()

@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import mpjax
@@ -136,6 +137,29 @@ def test_digits_dead_run_stops_unless_skipping_is_the_point(precision, digits):
         assert run().skipped_steps == config.steps
 
 
+@pytest.mark.parametrize("optimizer_state", ["f32", "bf16", "bf16-nearest"])
+def test_digits_optimizer_state_flag_stores_adam_moments(
+    optimizer_state, digits, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(train_digits, "load_data", lambda: digits)
+    argv = ["--precisions", "bf16", "--seeds", "1", "--steps", "50", "--lr", "2e-2"]
+    argv += ["--width", "16", "--blocks", "1", "--no-progress", "--png", str(tmp_path / "d.png")]
+    (run,) = train_digits.main([*argv, "--optimizer-state", optimizer_state])
+    inner = run.opt_state.inner_state
+    low = optimizer_state != "f32"
+    assert isinstance(inner, mpjax.scaling.LowPrecisionState) == low
+    want = jnp.bfloat16 if low else jnp.float32
+    moments = [optax.tree_utils.tree_get(inner, name) for name in ("mu", "nu")]
+    for leaf in jax.tree.leaves(moments):
+        assert leaf.dtype == want
+    assert len(jax.tree.leaves(moments)) == 2 * len(jax.tree.leaves(run.params))
+    # The params stay float32: loss_scaled keeps no master copy.
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(run.params))
+    assert not jax.tree.leaves(run.opt_state.master)
+    assert _decreased(run.history["loss"], 0.8), run.history["loss"]
+    assert run.metric > 30.0  # well above chance (10%)
+
+
 def test_digits_config_rejects_bad_values():
     with pytest.raises(ValueError, match="precision"):
         train_digits.DigitsConfig(precision="fp8")
@@ -143,6 +167,8 @@ def test_digits_config_rejects_bad_values():
         train_digits.DigitsConfig(steps=0)
     with pytest.raises(ValueError, match="loss_multiplier"):
         train_digits.DigitsConfig(loss_multiplier=0.0)
+    with pytest.raises(ValueError, match="optimizer_state"):
+        train_digits.DigitsConfig(optimizer_state="fp8")
 
 
 # --- char LM ------------------------------------------------------------------------------

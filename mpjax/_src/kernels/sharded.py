@@ -71,6 +71,24 @@ def per_shard(
         outs, flag = kernel(list(xs), scale)
         return (*outs, flag)
 
+    # `custom_partitioning` has no batching rule: under `jax.vmap` (an ensemble of models,
+    # each with its own skip decision) the kernel runs vmapped as it is.
+    @jax.custom_batching.custom_vmap
+    def run(scale, *xs):
+        return _partitioned(body, kernel, [x.shape for x in xs], write)(scale, *xs)
+
+    @run.def_vmap
+    def run_batched(axis_size, in_batched, scale, *xs):
+        in_axes = tuple(0 if b else None for b in in_batched)
+        out = jax.vmap(body, in_axes=in_axes, axis_size=axis_size)(scale, *xs)
+        return out, tuple(True for _ in out)
+
+    *outs, flag = run(scale, *leaves)
+    return list(outs), flag
+
+
+def _partitioned(body, kernel, shapes: list, write: bool):
+    """`body` wrapped in `custom_partitioning`: run on each device's shards, flag AND-ed."""
     wrapped = custom_partitioning(body)
 
     def shardings(mesh, arg_shapes):
@@ -97,7 +115,6 @@ def per_shard(
     wrapped.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=_rule([x.shape for x in leaves], write),
+        sharding_rule=_rule(shapes, write),
     )
-    *outs, flag = wrapped(scale, *leaves)
-    return list(outs), flag
+    return wrapped
