@@ -250,6 +250,7 @@ def _fake_run(precision, seed, metric, steps=20):
         "loss": rng.uniform(0.5, 2.0, steps),
         "loss_scale": np.full(steps, 2.0**15 if precision == "fp16" else 1.0),
         "grads_finite": np.ones(steps, bool),
+        "skipped": np.zeros(steps, bool),
         "skipped_steps": np.zeros(steps, np.int32),
     }
     return common.RunResult(precision, seed, metric, history, wall_s=1.5)
@@ -275,6 +276,7 @@ def test_summarise_reports_mean_and_std_over_seeds():
 def test_plot_runs_writes_a_png(tmp_path):
     runs = [_fake_run(p, 0, 90.0) for p in ("fp32", "fp16")]
     runs[1].history["grads_finite"][5] = False
+    runs[1].history["skipped"][5] = True
     path = common.plot_runs(runs, tmp_path / "sub" / "x.png", "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -155,18 +155,17 @@ MULTI_GPU_BYTES_MARGIN = 1.01
 SHARD_SIZED_OPS = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
+def _multi_gpu_quick(tmp, variants: str, *extra: str) -> dict:
+    """benchmarks/multi_gpu_cost.py --quick on 8 deviceless H100s: variant -> its figures."""
+    args = ("--quick", *extra, "--topologies", "1x1x8", "--variants", variants)
+    data = _run_json("benchmarks/multi_gpu_cost.py", *args, tmp=tmp)
+    return {r["variant"]: r for r in data["details"]}
+
+
 @pytest.fixture(scope="module")
 def multi_gpu(tmp_path_factory):
-    data = _run_json(
-        "benchmarks/multi_gpu_cost.py",
-        "--quick",
-        "--topologies",
-        "1x1x8",
-        "--variants",
-        "bf16,fp16-scaled,fp16-scaled-pallas",
-        tmp=tmp_path_factory.mktemp("m"),
-    )
-    return {r["variant"]: r for r in data["details"]}
+    variants = "bf16,fp16-scaled,fp16-scaled-pallas"
+    return _multi_gpu_quick(tmp_path_factory.mktemp("m"), variants)
 
 
 @pytest.mark.slow
@@ -184,18 +183,8 @@ def test_loss_scaled_fsdp_moves_no_more_than_hand_written(multi_gpu, variant):
 
 @pytest.fixture(scope="module")
 def resnet_dp(tmp_path_factory):
-    data = _run_json(
-        "benchmarks/multi_gpu_cost.py",
-        "--quick",
-        "--model",
-        "resnet",
-        "--topologies",
-        "1x1x8",
-        "--variants",
-        "bf16,fp16-bare,fp16-scaled,fp16-scaled-pallas,convbn-xla,convbn-pallas",
-        tmp=tmp_path_factory.mktemp("r"),
-    )
-    return {r["variant"]: r for r in data["details"]}
+    variants = "bf16,fp16-bare,fp16-scaled,fp16-scaled-pallas,convbn-xla,convbn-pallas"
+    return _multi_gpu_quick(tmp_path_factory.mktemp("r"), variants, "--model", "resnet")
 
 
 @pytest.mark.slow

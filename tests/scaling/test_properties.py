@@ -276,9 +276,10 @@ def reference_model(case: Case, params, true_grads, masks, values):
     candidate rounded to the param dtype. The step is taken iff the gradients and the checked
     new values (float16 ones for `check_new_values="auto"`, all for True) are finite; otherwise
     nothing changes but the counters. The loss scale adjusts on the
-    gradients' finiteness: finite steps count up and grow the scale by `growth_factor` every
+    gradients' finiteness: taken steps count up and grow the scale by `growth_factor` every
     `growth_interval` (capped at `max_scale`, and kept as is if it would become inf), non-finite
-    steps multiply it by `backoff_factor` (not below `min_scale`) and reset the count.
+    steps multiply it by `backoff_factor` (not below `min_scale`) and reset the count; a step
+    skipped only for an overflowing new value leaves the scale and its count as they were.
     """
     setup = case.setup
     dtypes = dict(zip(NAMES, setup.dtypes, strict=True))
@@ -320,7 +321,9 @@ def reference_model(case: Case, params, true_grads, masks, values):
                 consecutive += 1
             if setup.ls[0] == "dynamic":
                 interval, growth, backoff, lo, hi = setup.ls[1:]
-                if finite:
+                if finite and not taken:
+                    pass  # a new-value skip: neither a good step nor a backoff (issue 20, item 9)
+                elif finite:
                     counter += 1
                     if counter >= interval:
                         grown = scale * np.float32(growth)
