@@ -257,9 +257,11 @@ def _first_order(
         dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
         narrow = _narrow_power(ctx, name, vals, origins, strong)
         target = widest([_FULL, *dtypes])
+        if narrow and out_origin != FLEX:
+            return [_recomputed_power(prim, params, vals, floats, target)], [NARROW]
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
         if out_origin != FLEX:
-            out_origin = NARROW if narrow else PEAK if name in _PEAKS else FULL
+            out_origin = PEAK if name in _PEAKS else FULL
     elif name == "gather" and origins[0] == ARG and 0 in floats:
         # Rows of a floating argument (an embedding table) are gathered in the compute
         # dtype, as Flax's `Embed(dtype=...)` does: the activations start narrow, and the
@@ -297,6 +299,22 @@ def _first_order(
     out = prim.bind(*vals, **params)
     outs = list(out) if prim.multiple_results else [out]
     return outs, [out_origin] * len(outs)
+
+
+def _recomputed_power(prim, params: dict, vals: list, floats: list, target):
+    """A power of a compute-dtype value, at `target` precision, rematerialised.
+
+    The backward recomputes the float32 derivative (`n * x ** (n - 1)`) from the
+    compute-dtype input instead of saving it: no float32 residual where the hand-written
+    compute-dtype program saves a compute-dtype one (gelu's `x ** 3`).
+    """
+
+    def power(*xs):
+        return prim.bind(
+            *[x.astype(target) if i in floats else x for i, x in enumerate(xs)], **params
+        )
+
+    return jax.checkpoint(power, prevent_cse=False)(*vals)
 
 
 def _narrow_power(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
