@@ -164,7 +164,7 @@ def _multi_gpu_quick(tmp, variants: str, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def multi_gpu(tmp_path_factory):
-    variants = "bf16,fp16-scaled,fp16-scaled-pallas"
+    variants = "bf16,fp16-scaled,fp16-scaled-pallas,fp8-tensorwise"
     return _multi_gpu_quick(tmp_path_factory.mktemp("m"), variants)
 
 
@@ -179,6 +179,19 @@ def test_loss_scaled_fsdp_moves_no_more_than_hand_written(multi_gpu, variant):
             # Same count as the anchor's ops of that kind (float16 where the anchor has bf16).
             twin = anchor["by_op_dtype"].get(key.replace("f16", "bf16"), {"count": 0})
             assert v["count"] <= twin["count"], (key, v, twin)
+
+
+@pytest.mark.slow
+def test_fp8_tensorwise_fsdp_gathers_weight_shards_in_fp8(multi_gpu):
+    """FSDP on 8 H100s: current-scaling fp8 (`autocast(fp8=Fp8Recipe())`) quantises each
+    weight shard with the combined amax and gathers fp8, fewer gather bytes than the anchor."""
+
+    def gathers(r):
+        return {k: v for k, v in r["by_op_dtype"].items() if k.startswith("all-gather")}
+
+    fp8, anchor = gathers(multi_gpu["fp8-tensorwise"]), gathers(multi_gpu["bf16"])
+    assert any(k.endswith(("f8e4m3fn", "f8e5m2")) for k in fp8), fp8
+    assert sum(v["bytes"] for v in fp8.values()) < sum(v["bytes"] for v in anchor.values())
 
 
 @pytest.fixture(scope="module")
