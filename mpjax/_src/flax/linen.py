@@ -14,7 +14,11 @@ of a covered module, coming from outside that module:
   the compute dtype for the call, so an explicit `dtype=` on a layer does not override the policy;
 - attention modules in `Defaults.float32_softmax_modules` that use Flax's default
   `attention_fn` run `float32_softmax_attention` instead (softmax in float32, both
-  matmuls on compute-dtype operands).
+  matmuls on compute-dtype operands);
+- a module whose own code hands an op that takes only float32 (an FFT) its
+  low-precision inputs is run again in float32, its children inheriting float32 and
+  its outputs in its policy's output dtype; the failed attempt is undone first
+  (variables and RNG counters of its scope; see `mpjax._src.flax.float32_only`).
 
 At `init` (and whenever the `params` collection is mutable) parameters are created as
 the module creates them and then cast to the policy's `param_dtype`; the forward pass
@@ -24,19 +28,28 @@ of `init` itself uses them as created.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import flax.linen as nn
 from flax.linen.dtypes import promote_dtype
 from flax.linen.module import TestScope
 from mpjax._src.core.policy import cast_floating
 from mpjax._src.flax.defaults import DEFAULTS, Defaults
-from mpjax._src.flax.float32_only import naming_float32_only_ops
+from mpjax._src.flax.float32_only import (
+    Float32OnlyOpError,
+    LinenScopeSnapshot,
+    final_float32_only_error,
+    is_narrow,
+    may_call_float32_only_ops,
+    naming_float32_only_ops,
+)
 from mpjax._src.flax.fp8_linen import DelayedFp8, delayed_fp8_override
 from mpjax._src.flax.rules import Resolved, Rules, field_overrides, parse_rules, resolve
 
@@ -143,7 +156,7 @@ class _Interceptor:
         self.root_path = root.scope.path
         self.resolved: dict[tuple[type, tuple[str, ...]], Resolved | None] = {}
         self.by_path: dict[tuple[str, ...], Resolved | None] = {}
-        self.cast_done: dict[int, Any] = {}  # id(scope variables) -> the dict, kept alive
+        self.cast_done: dict[int, tuple] = {}  # id(scope variables) -> (it, uncast params)
         self.stack: list[nn.Module] = []
 
     def rel_path(self, module: nn.Module) -> tuple[str, ...] | None:
@@ -198,9 +211,10 @@ class _Interceptor:
         variables = scope._variables  # the scope's own dict; shared by its rewound copies
         if id(variables) in self.cast_done:
             return
-        self.cast_done[id(variables)] = variables
         collection = scope._collection("params")
         cast = _own_cast(collection, res.policy.compute_dtype)
+        # (the dict, kept alive; the params it held before the cast, or None)
+        self.cast_done[id(variables)] = (variables, collection if cast is not None else None)
         if cast is not None:
             variables["params"] = cast
 
@@ -235,7 +249,29 @@ class _Interceptor:
                 self.stack.pop()
         setup = context.method_name == "setup"
         external = not setup and not (self.stack and self.stack[-1] is module)
-        if setup or external:
+        retry = external and is_narrow(res.policy.compute_dtype)
+        if not (retry and may_call_float32_only_ops(module)):
+            return self.run(module, res, external, next_fun, args, kwargs, context)
+        snapshot = LinenScopeSnapshot(scope)
+        try:
+            return self.run(module, res, external, next_fun, args, kwargs, context)
+        except Float32OnlyOpError as e:
+            if not e.retryable:
+                raise
+            error = e
+        # The module calls a float32-only op (an FFT): undo the attempt, run it in float32.
+        snapshot.restore()
+        rewind(module)
+        self.uncast_params(module)
+        res = self.float32_resolution(module, res)
+        try:
+            return self.run(module, res, external, next_fun, args, kwargs, context)
+        except Float32OnlyOpError as e:
+            raise final_float32_only_error(error) from e
+
+    def run(self, module, res, external, next_fun, args, kwargs, context):
+        """One intercepted call of `module` under its resolved policy `res`."""
+        if context.method_name == "setup" or external:
             self.cast_params_to_compute(module, res)
         if external:
             args, kwargs = cast_floating((args, kwargs), res.policy.compute_dtype)
@@ -263,6 +299,48 @@ class _Interceptor:
         if external:
             out = cast_floating(out, res.policy.output_dtype)
         return out
+
+    def uncast_params(self, module: nn.Module) -> None:
+        """Puts back the module's own params that `cast_params_to_compute` replaced."""
+        entry = self.cast_done.pop(id(module.scope._variables), None)
+        if entry is not None and entry[1] is not None:
+            entry[0]["params"] = entry[1]
+
+    def float32_resolution(self, module: nn.Module, res: Resolved) -> Resolved:
+        """`res` computing in float32 from now on, for the module and its children.
+
+        As the rule `{type(module): "float32"}` would, except that the module's outputs
+        keep `res`'s output dtype. Resolutions of its children made by the failed call
+        are dropped, so they inherit float32.
+        """
+        f32 = np.dtype(np.float32)
+        new = dataclasses.replace(
+            res,
+            policy=dataclasses.replace(res.policy, compute_dtype=f32),
+            inherited=dataclasses.replace(res.inherited, compute_dtype=f32, output_dtype=f32),
+            float32_softmax=False,
+        )
+        path = self.rel_path(module)
+        n = len(path)
+        for key in [k for k in self.resolved if len(k[1]) > n and k[1][:n] == path]:
+            del self.resolved[key]
+            self.by_path.pop(key[1], None)
+        self.resolved[(type(module), path)] = new
+        self.by_path[path] = new
+        recorder = _RECORDER.get()
+        if recorder is not None:
+            recorder["/".join(path)] = new.policy
+        return new
+
+
+def rewind(module: nn.Module) -> None:
+    """Lets a module's method run again inside the same call, as Flax does between calls.
+
+    Flax rewinds a compact module's scope (name reservations) and its auto-naming
+    cursor after each method call; a retry inside the call needs the same.
+    """
+    object.__setattr__(module, "scope", module.scope.rewound())
+    module._state.autoname_cursor = {}
 
 
 def _unbound(method: Any) -> Any:

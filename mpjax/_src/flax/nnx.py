@@ -16,7 +16,11 @@ still holds) whose public methods, when called from outside the module,
   (parameters are therefore not meant to be assigned inside a call; optimizers
   update them between calls);
 - for attention modules in `Defaults.float32_softmax_modules` that use Flax's default
-  `attention_fn`, run `float32_softmax_attention` (softmax in float32).
+  `attention_fn`, run `float32_softmax_attention` (softmax in float32);
+- a module whose own code hands an op that takes only float32 (an FFT) its
+  low-precision inputs is run again in float32, as in the linen integration (the
+  failed attempt's writes to its variables undone; `module_policies` shows the
+  rules' policies, not this call-time change).
 
 The resolved policy is stored as a static attribute `_mpjax_policy`, so `nnx.split`,
 `nnx.jit`, `nnx.grad` and `nnx.Optimizer` carry it; the `nnx.state` (and so any
@@ -37,12 +41,19 @@ import jax
 import jax.numpy as jnp
 
 from flax import nnx
-from flax.nnx.nn import dtypes as nnx_dtypes
 from mpjax._src.core.policy import Policy, is_floating_array
 from mpjax._src.flax.defaults import DEFAULTS, Defaults
-from mpjax._src.flax.float32_only import naming_float32_only_ops
+from mpjax._src.flax.float32_only import (
+    Float32OnlyOpError,
+    final_float32_only_error,
+    is_narrow,
+    may_call_float32_only_ops,
+    naming_float32_only_ops,
+)
 from mpjax._src.flax.fp8_linen import DelayedFp8
 from mpjax._src.flax.fp8_nnx import nnx_delayed_override, plan_nnx_fp8, set_nnx_fp8
+from mpjax._src.flax.nnx_attention import float32_softmax_attention
+from mpjax._src.flax.nnx_snapshot import NnxSnapshot
 from mpjax._src.flax.rules import field_overrides, parse_rules, resolve
 
 __all__ = ["apply_nnx_policy", "float32_softmax_attention", "module_policies"]
@@ -53,6 +64,15 @@ _CALL_STACK: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
     "mpjax_nnx_policy_calls", default=()
 )
 
+# Set only by `_policy_method` while it re-runs a module in float32: (the rule whose
+# modules inside that call compute in float32, the module; see `_effective`).
+_FLOAT32_RULE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "mpjax_nnx_float32_rule", default=None
+)
+# Set by the outermost policy-aware call: id(variable) -> its stored value, for re-views.
+_ORIGINALS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "mpjax_nnx_stored_values", default=None
+)
 _CONTAINERS = (nnx.List, nnx.Dict)
 _ATTR = "_mpjax_policy"
 
@@ -77,89 +97,6 @@ def _cast(tree: Any, dtype: Any) -> Any:
         return x
 
     return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, (nnx.Pytree, nnx.Variable)))
-
-
-def float32_softmax_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    broadcast_dropout: bool = True,
-    dropout_rng=None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype=None,
-    precision=None,
-    module=None,
-    promote_dtype=nnx_dtypes.promote_dtype,
-    is_causal: bool = False,
-):
-    """`flax.nnx.dot_product_attention` with the softmax in float32 and low-precision GEMMs.
-
-    Same signature and result as Flax's (within the compute dtype's rounding). The logits
-    are a GEMM on the input-dtype operands, cast to float32 (or wider) for the scaling,
-    bias, masks and softmax, and the weights are cast back to the input dtype before the
-    second GEMM, so both GEMMs and their gradients run on input-dtype (e.g. bfloat16)
-    operands. (`jax.nn.dot_product_attention`, which Flax calls without dropout, forms
-    float32 logits from the GEMM itself, so its backward GEMMs take a float32 cotangent.)
-    Masked logits are set to the float32 minimum: a fully masked row attends uniformly.
-    Key/value heads may divide the query heads (grouped-query attention).
-
-    Returns:
-      Output of shape `[batch..., q_length, num_heads, v_depth_per_head]`.
-    """
-    query, key, value = promote_dtype((query, key, value), dtype=dtype)
-    dtype = query.dtype
-    _check_qkv(query, key, value)
-    if query.shape[-2] != key.shape[-2]:  # grouped-query attention: repeat kv heads
-        reps = query.shape[-2] // key.shape[-2]
-        key, value = jnp.repeat(key, reps, axis=-2), jnp.repeat(value, reps, axis=-2)
-    softmax_dtype = jnp.promote_types(dtype, jnp.float32)
-    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
-    # The cast (not the GEMM's result type) widens: the gradient GEMMs stay in `dtype`.
-    logits = logits.astype(softmax_dtype) / jnp.sqrt(query.shape[-1]).astype(softmax_dtype)
-    if bias is not None:
-        logits = (logits + bias).astype(softmax_dtype)
-    masks = [] if mask is None else [mask]
-    if is_causal:
-        t, s = logits.shape[-2:]
-        masks.append(jnp.tril(jnp.ones((t, s), dtype=jnp.bool_)))
-    if masks:
-        keep = functools.reduce(jnp.logical_and, [jnp.asarray(m, jnp.bool_) for m in masks])
-        logits = jnp.where(keep, logits, jnp.finfo(softmax_dtype).min)
-    weights = jax.nn.softmax(logits)
-    if module is not None:
-        module.sow(nnx.Intermediate, "attention_weights", weights)
-    if not deterministic and dropout_rate > 0.0:
-        keep_prob = 1.0 - dropout_rate
-        shape = (
-            (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
-        )
-        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-        weights = weights * (keep.astype(weights.dtype) / keep_prob)
-    weights = weights.astype(dtype)
-    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
-
-
-def _check_qkv(query, key, value) -> None:
-    """Raises a ValueError naming the mismatch of attention `query`, `key`, `value` shapes."""
-    if not query.ndim == key.ndim == value.ndim or query.ndim < 3:
-        raise ValueError(
-            "query, key and value must have the same rank >= 3 ([batch..., length, heads, "
-            f"depth]); got shapes {query.shape}, {key.shape}, {value.shape}"
-        )
-    if key.shape[-3] != value.shape[-3] or key.shape[-2] != value.shape[-2]:
-        raise ValueError(
-            f"key and value must have the same length and heads; got {key.shape}, {value.shape}"
-        )
-    if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query and key depths differ: query {query.shape}, key {key.shape}")
-    if query.shape[-2] % key.shape[-2]:
-        raise ValueError(
-            f"query heads ({query.shape[-2]}) must be a multiple of key/value heads "
-            f"({key.shape[-2]})"
-        )
 
 
 def _is_module_node(node: Any) -> bool:
@@ -209,10 +146,62 @@ def _policy_method(self, fn, args, kwargs):
     stack = _CALL_STACK.get()
     if info is None or (stack and stack[-1] is self):
         return fn(self, *args, **kwargs)
-    restore, caches = [], []
+    info = _effective(info, self)
+    if not (is_narrow(info.policy.compute_dtype) and may_call_float32_only_ops(self)):
+        return _policy_call(self, fn, args, kwargs, info, stack)
+    snapshot = NnxSnapshot(self)
+    try:
+        return _policy_call(self, fn, args, kwargs, info, stack)
+    except Float32OnlyOpError as e:
+        if not e.retryable:
+            raise
+        error = e
+    # The module calls a float32-only op (an FFT): undo the attempt, run it in float32.
+    snapshot.restore()
+    token = _FLOAT32_RULE.set((info.rule, self))
+    try:
+        if stack:
+            _float32_views(self, nnx.Param)
+            _float32_views(self, nnx.Cache)
+        return _policy_call(self, fn, args, kwargs, _effective(info, self), stack)
+    except Float32OnlyOpError as e:
+        raise final_float32_only_error(error) from e
+    finally:
+        _FLOAT32_RULE.reset(token)
+
+
+def _effective(info: _ModulePolicy, module: Any = None) -> _ModulePolicy:
+    """`info` of `module`, computing in float32 inside a float32 retry under its rule.
+
+    The retried module keeps its output dtype; modules inheriting the same rule inside
+    it run as under the rule `{cls: "float32"}`: float32 in and out.
+    """
+    retry = _FLOAT32_RULE.get()
+    if retry is None or info.rule != retry[0]:
+        return info
+    f32 = jnp.dtype(jnp.float32)
+    output = info.policy.output_dtype if module is retry[1] else f32
+    policy = dataclasses.replace(info.policy, compute_dtype=f32, output_dtype=output)
+    return dataclasses.replace(info, policy=policy, float32_softmax=False)
+
+
+def _float32_views(root: nnx.Module, kind: type) -> None:
+    """Re-views the `kind` variables under `root` from their stored values, in float32."""
+    originals = _ORIGINALS.get() or {}
+    for var, owner in _params_by_owner(root, kind):
+        owner_info = _policy_of(owner)
+        raw = originals.get(id(var))
+        if owner_info is not None and raw is not None:
+            _swap_raw(var, _cast(raw, _effective(owner_info).policy.compute_dtype))
+
+
+def _policy_call(self, fn, args, kwargs, info: _ModulePolicy, stack: tuple):
+    """One external call of a policy-aware module under its effective policy `info`."""
+    restore, caches, originals = [], [], None
     if not stack:
         restore = _compute_views(self, nnx.Param)
         caches = _compute_views(self, nnx.Cache)
+        originals = _ORIGINALS.set({id(v): raw for v, raw, _ in restore + caches})
     overrides = field_overrides(
         self,
         info.policy.compute_dtype,
@@ -230,6 +219,8 @@ def _policy_method(self, fn, args, kwargs):
             out = fn(self, *args, **kwargs)
     finally:
         _CALL_STACK.reset(token)
+        if originals is not None:
+            _ORIGINALS.reset(originals)
         for param, raw, _ in reversed(restore):
             _swap_raw(param, raw)
         for cache, raw, view in reversed(caches):
@@ -250,7 +241,7 @@ def _compute_views(root: nnx.Module, kind: type) -> list:
         if owner_info is None:
             continue
         raw = var.get_raw_value()
-        view = _cast(raw, owner_info.policy.compute_dtype)
+        view = _cast(raw, _effective(owner_info).policy.compute_dtype)
         if view is not raw:
             views.append((var, raw, view))
             _swap_raw(var, view)
