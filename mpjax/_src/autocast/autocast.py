@@ -8,7 +8,7 @@ rules of an `OpLists`:
   and return the compute dtype, accumulating in float32 (the backends' low-precision GEMMs
   and convolutions accumulate in float32; see `lower_precision_op`);
 * a compute-dtype value normalised by broadcast float32 statistics (BatchNorm, LayerNorm)
-  is computed in float32 and counts as the compute dtype (see `_continues_narrow`); rows
+  is computed in float32 and counts as the compute dtype (see `continues_narrow`); rows
   gathered from a floating argument (an embedding table) are gathered in the compute dtype;
 * `fp32` ops (exp, log, rsqrt, reductions, ...) run in float32;
 * every other op runs in the widest dtype of its floating inputs; scalar literals and values
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax._src import source_info_util
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
@@ -45,6 +43,18 @@ from mpjax._src.autocast.fp8_hook import (
     fp8_chains,
     fp8_lower,
     requantised_lhs,
+)
+from mpjax._src.autocast.op_decisions import (
+    FULL_DTYPE,
+    OPAQUE,
+    PEAK_REDUCTIONS,
+    AutocastContext,
+    continues_narrow,
+    is_epilogue,
+    lower_precision_op,
+    narrow_power,
+    recomputed_power,
+    reduced_operands,
 )
 from mpjax._src.autocast.op_lists import OpLists
 from mpjax._src.autocast.regions import (
@@ -71,58 +81,21 @@ from mpjax._src.autocast.rules import (
 )
 from mpjax._src.autocast.sharded import SHARDED_RULES
 from mpjax._src.core.policy import Policy, as_float_dtype, get_policy
-from mpjax._src.core.reduce_dot import reduce_dot_general
 from mpjax._src.fp8.recipe import Fp8Recipe
 
 __all__ = ["autocast"]
 
 DEFAULT_AUTOCAST_POLICY = "params=float32,compute=bfloat16,output=float32"
 
-_FULL = np.dtype(np.float32)
-
-# Bilinear ops whose low-precision form gets a custom JVP (see `lower_precision_op`).
-_BILINEAR = frozenset({"dot_general", "conv_general_dilated"})
-
-# The accumulation dtype that low-precision (bf16/fp16) GEMMs and convolutions get without
-# asking: cuBLAS/Triton GEMMs and cuDNN convolutions on XLA:GPU, the TPU MXU and XLA:CPU
-# (which upcasts) all accumulate in float32 and round the result once. Autocast binds them
-# with a compute-dtype result, as Flax's `Dense(dtype=bfloat16)` and torch.autocast do.
-# Asking explicitly (`preferred_element_type=float32`, then a convert) costs on XLA:GPU: a
-# convolution becomes a float32 cuDNN convolution on converted operands, and a GEMM writes
-# a float32 result that a separate pass converts (GPT-2 train step on the H100 cost model:
-# 1.021x the roofline of the Flax bf16 model, 0.4 ms of it in the q/k/v bias adds).
-_IMPLICIT_ACCUMULATION = np.dtype(np.float32)
-
-# Elementwise ops that continue a normalisation (see `_continues_narrow`).
-_NARROW_CHAIN = frozenset(
-    {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "integer_pow"}
-)
-
-# Powers of one value (x ** n, jnp.reciprocal, jnp.square, x * x): see `_first_order`.
-_POWERS = frozenset({"integer_pow", "square", "mul"})
-
-# Reductions whose result is a maximum or minimum (see `PEAK`).
-_PEAKS = frozenset({"reduce_max", "reduce_min"})
-
-# First-order primitives bound with the operand dtypes they were traced with.
-_OPAQUE = frozenset(
-    {"bitcast_convert_type", "pure_callback", "io_callback", "debug_callback", "ffi_call"}
-)
-
-
-class _Ctx(NamedTuple):
-    compute: np.dtype
-    accum: np.dtype | None
-    lists: OpLists
-    fp8: Fp8Recipe | None = None
-    reduce: np.dtype | None = None
-
-
 # ----------------------------------------------------------------------------- interpreter
 
 
 def _eval_jaxpr(
-    ctx: _Ctx, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], origins: Sequence[int]
+    ctx: AutocastContext,
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    origins: Sequence[int],
 ) -> tuple[list[Any], list[int]]:
     """Evaluates `jaxpr` under autocast rules; returns the outputs and their origins.
 
@@ -198,13 +171,9 @@ def _eval_jaxpr(
     return [r[0] for r in results], [r[1] for r in results]
 
 
-def _size(x: Any) -> int:
-    return math.prod(np.shape(x))
-
-
 def _wide(dtype: Any) -> bool:
     """Whether `dtype` is a floating dtype wider than float32 (float64: never autocast)."""
-    return is_float(dtype) and widest([dtype, _FULL]) != _FULL
+    return is_float(dtype) and widest([dtype, FULL_DTYPE]) != FULL_DTYPE
 
 
 def _as_traced(eqn, cast_in) -> tuple[list, list]:
@@ -222,7 +191,7 @@ def _as_traced(eqn, cast_in) -> tuple[list, list]:
 
 
 def _first_order(
-    ctx: _Ctx, eqn, vals: list, origins: list, cast_in, requant=None
+    ctx: AutocastContext, eqn, vals: list, origins: list, cast_in, requant=None
 ) -> tuple[list, list]:
     """Binds a first-order primitive with operands cast by its category.
 
@@ -237,7 +206,7 @@ def _first_order(
     category = ctx.lists.category(name, params) if floats else None
     if name == "mul" and floats and eqn.invars[0] is eqn.invars[1]:
         category = "fp32"  # x * x of one value: a square (torch's pow)
-    if name in _OPAQUE or any(True for _ in jaxprs_in_params(params)):
+    if name in OPAQUE or any(True for _ in jaxprs_in_params(params)):
         return _as_traced(eqn, cast_in)
     if any(_wide(dtype_of(vals[i])) for i in floats) and not prim.multiple_results:
         # float64 is left alone, as torch.autocast does (only float32 is autocast).
@@ -249,19 +218,19 @@ def _first_order(
         fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)
-        reduce = _reduced_operands(ctx, name, vals, origins)
+        reduce = reduced_operands(ctx, name, vals, origins)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
         outs = lower_precision_op(ctx, prim, params, vals, reduce)
         return outs, [LOW] * len(outs)
     if category == "fp32":
         dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
-        narrow = _narrow_power(ctx, name, vals, origins, strong)
-        target = widest([_FULL, *dtypes])
+        narrow = narrow_power(ctx, name, vals, origins, strong)
+        target = widest([FULL_DTYPE, *dtypes])
         if narrow and out_origin != FLEX:
-            return [_recomputed_power(prim, params, vals, floats, target)], [NARROW]
+            return [recomputed_power(prim, params, vals, floats, target)], [NARROW]
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
         if out_origin != FLEX:
-            out_origin = PEAK if name in _PEAKS else FULL
+            out_origin = PEAK if name in PEAK_REDUCTIONS else FULL
     elif name == "gather" and origins[0] == ARG and 0 in floats:
         # Rows of a floating argument (an embedding table) are gathered in the compute
         # dtype, as Flax's `Embed(dtype=...)` does: the activations start narrow, and the
@@ -279,9 +248,9 @@ def _first_order(
         ):
             return [vals[0]], [origins[0]]
     elif not prim.multiple_results and strong:
-        if _is_epilogue(ctx, name, vals, origins, strong):
+        if is_epilogue(ctx, name, vals, origins, strong):
             target = ctx.compute
-        elif _continues_narrow(ctx, name, vals, origins, strong):
+        elif continues_narrow(ctx, name, vals, origins, strong):
             target, out_origin = widest([dtype_of(vals[i]) for i in strong]), NARROW
         else:
             # A NARROW value counts as the compute dtype here (cast once, where it ends).
@@ -299,158 +268,6 @@ def _first_order(
     out = prim.bind(*vals, **params)
     outs = list(out) if prim.multiple_results else [out]
     return outs, [out_origin] * len(outs)
-
-
-def _recomputed_power(prim, params: dict, vals: list, floats: list, target):
-    """A power of a compute-dtype value, at `target` precision, rematerialised.
-
-    The backward recomputes the float32 derivative (`n * x ** (n - 1)`) from the
-    compute-dtype input instead of saving it: no float32 residual where the hand-written
-    compute-dtype program saves a compute-dtype one (gelu's `x ** 3`).
-    """
-
-    def power(*xs):
-        return prim.bind(
-            *[x.astype(target) if i in floats else x for i, x in enumerate(xs)], **params
-        )
-
-    return jax.checkpoint(power, prevent_cse=False)(*vals)
-
-
-def _narrow_power(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
-    """Whether this float32 op is a power of a compute-dtype value (its result is NARROW).
-
-    `x ** n`, `jnp.reciprocal`, `jnp.square` and `x * x` run in float32 (torch's `pow`,
-    `reciprocal`); of a compute-dtype (or NARROW) value the result counts as the compute
-    dtype: reductions read it at float32 (RMSNorm, sum of squares, MSE do not overflow
-    float16) and it is rounded once where it meets another compute-dtype value (gelu's
-    `x ** 3` stays in the compute dtype, as torch's fused gelu does).
-    """
-    if name not in _POWERS or not ctx.lists.epilogue or not strong:
-        return False
-    i = strong[0]
-    return origins[i] == NARROW or dtype_of(vals[i]) == ctx.compute
-
-
-def _is_epilogue(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
-    """Whether this op is the bias add of a lower-precision op (kept in the compute dtype).
-
-    True for an op in `OpLists.epilogue` that combines the full-size output of a
-    lower-precision op with smaller, broadcast operands (a `Dense`/`Conv` bias): torch's
-    `linear`/`conv` include that add, so it runs in the compute dtype there too.
-    """
-    if name not in ctx.lists.epilogue:
-        return False
-    low = [i for i in strong if origins[i] == LOW]
-    if not low:
-        return False
-    full = max(_size(v) for v in vals)
-    return all(_size(vals[i]) == full for i in low) and all(
-        _size(vals[i]) < full for i in strong if origins[i] != LOW
-    )
-
-
-def _continues_narrow(ctx: _Ctx, name: str, vals: list, origins: list, strong: list) -> bool:
-    """Whether this op is a step of a normalisation (its result is tagged NARROW).
-
-    True for an elementwise op whose one full-size operand is in the compute dtype (or
-    NARROW already) and whose other operands are smaller, broadcast, and wider (float32
-    statistics, scale and bias: `(x - mean) * rsqrt(var + eps) * scale + bias`), or a
-    unary op / a max with a literal (`relu`) of a NARROW value. The op runs in the wider
-    dtype, but its result counts as the compute dtype: it is cast once, where it meets
-    another full-size compute-dtype value or an op that is not such a step (a residual
-    add, a max-pool), so the normalised activations and what follows them stay narrow,
-    as `BatchNorm(dtype=bfloat16)` and torch.autocast's `batch_norm` return the input
-    dtype. Reductions (float32 ops) read the value at full precision. Off with
-    `OpLists(epilogue=frozenset())` (the plain widest rule everywhere).
-    """
-    if name not in _NARROW_CHAIN or not ctx.lists.epilogue:
-        return False
-    full = max(_size(vals[i]) for i in strong)
-    main = [i for i in strong if _size(vals[i]) == full]
-    if len(main) != 1:
-        return False
-    (m,) = main
-    if origins[m] != NARROW and dtype_of(vals[m]) != ctx.compute:
-        return False
-    if any(origins[i] == PEAK for i in strong):
-        return False  # `x - max(x)`: the shift of a (log-)softmax, a float32 op
-    others = [dtype_of(vals[i]) for i in strong if i != m]
-    return origins[m] == NARROW or any(widest([d, ctx.compute]) != ctx.compute for d in others)
-
-
-def _reduced_operands(ctx: _Ctx, name: str, vals: list, origins: list) -> tuple | None:
-    """Which operands of a `dot_general` get their cotangent in `ctx.reduce` (None: none).
-
-    The floating operands that are arguments of the function (the parameters): their
-    gradients are what XLA sums across devices under data parallelism / FSDP.
-    """
-    if ctx.reduce is None or name != "dot_general" or len(vals) != 2:
-        return None
-    which = tuple(o == ARG and is_float(dtype_of(v)) for v, o in zip(vals, origins, strict=True))
-    return which if any(which) else None
-
-
-def lower_precision_op(ctx: _Ctx, prim, params, vals: list, reduce: tuple | None = None) -> list:
-    """Binds a lower-precision op (dot_general, conv, ...) on compute-dtype operands.
-
-    The one place autocast lowers matmul-like ops. Returns compute-dtype outputs. A float32
-    accumulation (the default) is what the backends' low-precision ops do anyway, so the op
-    is bound with a compute-dtype result (see `_IMPLICIT_ACCUMULATION`). Another
-    accumulation dtype is asked for explicitly: the op is bound with
-    `preferred_element_type=accum` and converted, with a custom JVP whose derivative ops are
-    compute-dtype too. With `reduce` (which operands, from the policy's `reduce_dtype`), a
-    `dot_general` is `reduce_dot_general`: those operands' cotangent GEMMs output
-    `ctx.reduce`, the dtype XLA then sums them across devices in.
-    """
-    compute = ctx.compute
-    accumulate = (
-        ctx.accum is not None
-        and ctx.accum != compute
-        and ctx.accum != _IMPLICIT_ACCUMULATION
-        and "preferred_element_type" in params
-    )
-    if not accumulate and reduce is not None:
-        dims, precision = params["dimension_numbers"], params.get("precision")
-        out = reduce_dot_general(*vals, dims, precision, reduce_dtype=ctx.reduce, operands=reduce)
-        return [cast(out, compute)]
-    if not accumulate:
-        if "preferred_element_type" in params:
-            params = dict(params, preferred_element_type=None)
-        out = prim.bind(*vals, **params)
-        outs = list(out) if prim.multiple_results else [out]
-        return [cast(o, compute) for o in outs]
-
-    acc_params = dict(params, preferred_element_type=ctx.accum)
-    low_params = dict(params, preferred_element_type=None)
-
-    def accumulated(*xs):
-        return cast(prim.bind(*xs, **acc_params), compute)
-
-    if prim.name not in _BILINEAR or len(vals) != 2:
-        return [accumulated(*vals)]
-
-    # The output of `accumulated` is a convert of a float32 dot; JAX transposes that convert
-    # into a float32 cotangent, which would make the backward matmuls float32 x bf16. A custom
-    # JVP keeps the derivative in the compute dtype: for a bilinear op,
-    # d(a.b) = da.b + a.db, each term a compute-dtype op of compute-dtype operands.
-    op = jax.custom_jvp(accumulated)
-
-    def jvp(primals, tangents):
-        a, b = primals
-        ta, tb = tangents
-        out = accumulated(a, b)
-        terms = []
-        if not isinstance(ta, jax.custom_derivatives.SymbolicZero):
-            terms.append(prim.bind(cast(ta, compute), b, **low_params))
-        if not isinstance(tb, jax.custom_derivatives.SymbolicZero):
-            terms.append(prim.bind(a, cast(tb, compute), **low_params))
-        if not terms:
-            return out, jnp.zeros_like(out)
-        return out, cast(functools.reduce(lax.add, terms), compute)
-
-    op.defjvp(jvp, symbolic_zeros=True)
-    return [op(*vals)]
 
 
 # ----------------------------------------------------------------------------- public API
@@ -546,7 +363,9 @@ def autocast(
         if accumulation_dtype is None
         else as_float_dtype(accumulation_dtype, "autocast accumulation_dtype")
     )
-    ctx = _Ctx(pol.compute_dtype, accum, lists, check_autocast_recipe(fp8), pol.reduce_dtype)
+    ctx = AutocastContext(
+        pol.compute_dtype, accum, lists, check_autocast_recipe(fp8), pol.reduce_dtype
+    )
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
