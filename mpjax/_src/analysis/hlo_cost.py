@@ -27,11 +27,21 @@ float32 dots and convolutions run as TF32 on tensor cores under XLA's default pr
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
 from typing import NamedTuple
+
+from mpjax._src.analysis.hlo_text import (
+    DTYPE_BYTES,
+    Instr,
+    attr,
+    backend_config,
+    dims_attr,
+    op_name,
+    parse_module,
+    shapes_bytes,
+)
 
 __all__ = [
     "DTYPE_BYTES",
@@ -56,31 +66,6 @@ PEAK_FLOPS = {  # dense tensor-core FLOP/s by operand dtype
     "f64": 67e12,
 }
 PEAK_VECTOR = 67e12  # float32, non-tensor-core
-
-DTYPE_BYTES = {
-    "pred": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "f8e4m3fnuz": 1,
-    "f8e5m2fnuz": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-    "token": 0,
-}
 
 # Instructions that launch nothing (aliasing, tuples, constants folded into the binary).
 _FREE = {
@@ -113,23 +98,6 @@ _DATA_MOVEMENT = _FREE | {
     "convert",
     "bitcast-convert",
 }
-
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-# Optimized HLO prints `%name (params) -> type {`; lowered HLO (`Lowered.as_text("hlo")`) `name {`.
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_COMMENT = re.compile(r"/\*.*?\*/")
-_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
-
-
-class Instr(NamedTuple):
-    """One HLO instruction: name, result shapes [(dtype, dims)], opcode, operands, attrs."""
-
-    name: str
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
-    opcode: str
-    operands: tuple[str, ...]
-    attrs: str
 
 
 class Kernel(NamedTuple):
@@ -176,128 +144,6 @@ class HloReport(NamedTuple):
     converts_by_op: dict = {}  # op_name -> convert instructions (fused ones included)
 
 
-def _split_top(text: str) -> list[str]:
-    """Splits at commas not nested in (), [], {}."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at `text[start]`."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "([{":
-            depth += 1
-        elif text[i] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    raise ValueError(f"unbalanced brackets in HLO line: {text[:200]!r}")
-
-
-def _shapes(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple(
-        (dt, tuple(int(d) for d in dims.split(",") if d))
-        for dt, dims in _SHAPE.findall(type_text)
-        if dt in DTYPE_BYTES
-    )
-
-
-def _operand_name(text: str) -> str:
-    """`%p` / `bf16[8]{0} %p` / `/*index=5*/%p` / `p` (lowered HLO) -> `p`."""
-    text = _COMMENT.sub("", text).strip()
-    return text.rsplit("%", 1)[-1] if "%" in text else (text.split() or [""])[-1]
-
-
-def _parse_instr(line: str) -> Instr | None:
-    m = _NAME.match(line)
-    if not m:
-        return None
-    rest = line[m.end() :]
-    if rest.startswith("("):
-        end = _balanced(rest, 0)
-    else:
-        end = rest.index(" ")
-    type_text, rest = rest[:end], rest[end:].lstrip()
-    paren = rest.index("(")
-    opcode = rest[:paren]
-    close = _balanced(rest, paren)
-    operands = tuple(
-        _operand_name(o) for o in _split_top(rest[paren + 1 : close - 1]) if _operand_name(o)
-    )
-    return Instr(m.group(1), _shapes(type_text), opcode, operands, rest[close:])
-
-
-def parse_module(text: str) -> tuple[dict, str]:
-    """({computation name: {instr name: Instr}}, entry computation name) of HLO text."""
-    comps: dict[str, dict[str, Instr]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = header.group(2)
-            comps[current] = {}
-            if header.group(1):
-                entry = current
-            continue
-        if current is None:
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        instr = _parse_instr(line)
-        if instr is not None:
-            comps[current][instr.name] = instr
-    if entry is None:
-        raise ValueError("parse_module: no ENTRY computation in the HLO text")
-    return comps, entry
-
-
-def op_name(attrs: str) -> str:
-    """The `op_name` of an instruction's metadata ("" without one)."""
-    m = _OP_NAME.search(attrs)
-    return m.group(1) if m else ""
-
-
-def _nbytes(shapes) -> int:
-    return int(sum(DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in shapes))
-
-
-def _attr(attrs: str, key: str) -> str | None:
-    m = re.search(rf"\b{key}=([^\s,]+(?:\{{[^}}]*\}})?)", attrs)
-    return m.group(1) if m else None
-
-
-def _dims_attr(attrs: str, key: str) -> tuple[int, ...]:
-    m = re.search(rf"\b{key}=\{{([0-9,]*)\}}", attrs)
-    return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
-
-
-def _backend_config(attrs: str) -> dict:
-    i = attrs.find("backend_config=")
-    if i < 0:
-        return {}
-    start = i + len("backend_config=")
-    if attrs[start] != "{":
-        return {}
-    try:
-        return json.loads(attrs[start : _balanced(attrs, start)])
-    except ValueError:
-        return {}
-
-
 def _dtype_key(*dtypes: str) -> str:
     return dtypes[0] if len(set(dtypes)) == 1 else "x".join(dtypes)
 
@@ -308,13 +154,13 @@ def _dot_flops(lhs, result, contracting) -> int:
 
 def _conv_flops(x, w, y, attrs: str) -> int:
     """2 x MACs of the convolution x (*) w = y, from its dim_labels and window."""
-    labels = _attr(attrs, "dim_labels") or ""
+    labels = attr(attrs, "dim_labels") or ""
     m = re.match(r"(\w+)_(\w+)->(\w+)", labels)
     window = re.search(r"size=([0-9x]+)", attrs)
     if not m or not window:
         return 0
     x_labels = m.group(1)
-    groups = int(_attr(attrs, "feature_group_count") or 1)
+    groups = int(attr(attrs, "feature_group_count") or 1)
     in_features = x[1][x_labels.index("f")] // groups
     k = math.prod(int(s) for s in window.group(1).split("x"))
     dilation = re.search(r"lhs_dilate=([0-9x]+)", attrs)
@@ -350,16 +196,16 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict, prefix: str = "") -> None
     ops = [_shape_of(comp, o) for o in instr.operands]
     if instr.opcode == "dot":
         lhs = ops[0]
-        flops = _dot_flops(lhs, instr.shapes[0], _dims_attr(instr.attrs, "lhs_contracting_dims"))
+        flops = _dot_flops(lhs, instr.shapes[0], dims_attr(instr.attrs, "lhs_contracting_dims"))
         _record(out, instr, "gemm", ops, flops, prefix)
     elif instr.opcode == "convolution":
         flops = _conv_flops(ops[0], ops[1], instr.shapes[0], instr.attrs)
         _record(out, instr, "conv", ops, flops, prefix)
     elif instr.opcode == "custom-call":
-        target = _attr(instr.attrs, "custom_call_target") or ""
+        target = attr(instr.attrs, "custom_call_target") or ""
         target = target.strip('"')
         if target.startswith("__cublas"):
-            cfg = _backend_config(instr.attrs).get("gemm_backend_config", {})
+            cfg = backend_config(instr.attrs).get("gemm_backend_config", {})
             dnums = cfg.get("dot_dimension_numbers", {})
             contracting = [int(d) for d in dnums.get("lhs_contracting_dimensions", [])]
             flops = _dot_flops(ops[0], instr.shapes[0], contracting)
@@ -378,9 +224,9 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict, prefix: str = "") -> None
 
 def _kind(instr: Instr) -> str:
     if instr.opcode == "fusion":
-        kind = _attr(instr.attrs, "kind") or ""
+        kind = attr(instr.attrs, "kind") or ""
         if kind == "kCustom":
-            cfg = _backend_config(instr.attrs).get("fusion_backend_config", {})
+            cfg = backend_config(instr.attrs).get("fusion_backend_config", {})
             name = cfg.get("kind", "custom")
             if "gemm" in name:
                 return "triton gemm"
@@ -393,7 +239,7 @@ def _kind(instr: Instr) -> str:
             kind, f"fusion {kind}"
         )
     if instr.opcode == "custom-call":
-        target = (_attr(instr.attrs, "custom_call_target") or "").strip('"')
+        target = (attr(instr.attrs, "custom_call_target") or "").strip('"')
         if target.startswith("__cublas"):
             return "cublas gemm"
         if target.startswith("__cudnn$conv"):
@@ -424,7 +270,7 @@ def _fused_costs(comps: dict, comp_name: str, acc: dict, prefix: str = "") -> No
         if instr.opcode in ("dot", "convolution", "custom-call"):
             _matmul_flops(comp, instr, acc, prefix)
         elif instr.opcode == "fusion":
-            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
+            _fused_costs(comps, attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
         elif instr.opcode == "reduce":
             acc["other"] += sum(math.prod(_shape_of(comp, o)[1]) for o in instr.operands[:1])
         elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
@@ -476,7 +322,7 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
                 "true_computation",
                 "false_computation",
             ):
-                target = _attr(instr.attrs, key)
+                target = attr(instr.attrs, key)
                 if target and target.lstrip("%") in comps:
                     _walk(comps, target.lstrip("%"), kernels, totals, inner)
             branches = re.search(r"branch_computations=\{([^}]*)\}", instr.attrs)
@@ -485,7 +331,7 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
             continue
         acc = _new_acc()
         if instr.opcode == "fusion":
-            _fused_costs(comps, _attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
+            _fused_costs(comps, attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
         else:
             _count_convert(instr, acc, prefix)
             if instr.opcode in ("dot", "convolution", "custom-call"):
@@ -495,9 +341,9 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
             if instr.opcode not in _DATA_MOVEMENT:
                 acc["compute"] += 1
         operand_bytes = sum(
-            _nbytes(comp[o].shapes) for o in dict.fromkeys(instr.operands) if o in comp
+            shapes_bytes(comp[o].shapes) for o in dict.fromkeys(instr.operands) if o in comp
         )
-        nbytes = operand_bytes + _nbytes(instr.shapes)
+        nbytes = operand_bytes + shapes_bytes(instr.shapes)
         for key in ("gemm", "conv", "ngemm", "nconv"):
             totals[key].update(acc[key])
         totals["converts"] += acc["converts"]
