@@ -8,7 +8,10 @@ by 8 (replicated if none is), the batch split on the same axis, the state donate
 its shardings. The optimized per-device HLO is read by `mpjax/_src/analysis/collectives.py`:
 collectives by op and dtype with bytes, and a ring estimate of the communication time
 (all-gather / reduce-scatter send (n-1)/n of the buffer per device, all-reduce 2(n-1)/n) at
-NVLink's 450 GB/s and at the inter-host bandwidth (`--inter-host-gbps`, default 50); plus XLA's
+NVLink's 450 GB/s, at the inter-host bandwidth (`--inter-host-gbps`, default 50), and "by
+link": each collective classified by its replica groups (a group holding devices of both
+hosts rings across them and is limited by the inter-host link; a group within one host runs
+on NVLink) and charged at that link's bandwidth; plus XLA's
 per-device temp and argument memory and the state bytes per parameter. Ratios are against the
 hand-written Flax bf16 + optax.adamw anchor of the same run.
 
@@ -58,7 +61,13 @@ from benchmarks.train_variants import (  # noqa: E402
     _resnet,
     _resnet_with,
 )
-from mpjax._src.analysis.collectives import collectives, comm_seconds, summary  # noqa: E402
+from mpjax._src.analysis.collectives import (  # noqa: E402
+    collectives,
+    comm_seconds,
+    link_bytes,
+    link_seconds,
+    summary,
+)
 from mpjax._src.analysis.target import h100_topology  # noqa: E402
 
 REQUIRES_GPU = False
@@ -76,6 +85,7 @@ COLUMNS = [
     "vs anchor",
     "comm ms NVLink",
     "comm ms inter-host",
+    "comm ms by link",
     "temp MiB/dev",
     "args MiB/dev",
     "state B/param",
@@ -181,6 +191,8 @@ def measure(
     records = collectives(compiled.as_text())
     memory = compiled.memory_analysis()
     n = len(devices)
+    # The HLO's device ids index the program's device assignment: the mesh's devices in order.
+    hosts = [d.process_index for d in mesh.devices.flat]
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     return {
         "model": model,
@@ -190,6 +202,8 @@ def measure(
         "collective_bytes": sum(r.bytes for r in records),
         "comm_s_nvlink": comm_seconds(records, n, NVLINK_BYTES_PER_S),
         "comm_s_inter_host": comm_seconds(records, n, inter_host_bytes_per_s),
+        "comm_s_links": link_seconds(records, hosts, NVLINK_BYTES_PER_S, inter_host_bytes_per_s),
+        "link_bytes": link_bytes(records, hosts),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "state_bytes_per_param": state_bytes / _param_count(state),
@@ -212,6 +226,7 @@ def _row(r: dict, anchor: dict) -> list:
         round(ratio, 4),
         round(r["comm_s_nvlink"] * 1e3, 3),
         round(r["comm_s_inter_host"] * 1e3, 3),
+        round(r["comm_s_links"] * 1e3, 3),
         round(r["temp_bytes"] / MIB, 1),
         round(r["argument_bytes"] / MIB, 1),
         round(r["state_bytes_per_param"], 3),
@@ -247,14 +262,17 @@ def run(
         "rows": [_row(r, anchors[r["model"], r["topology"]]) for r in results],
         "notes": (
             f"jax {jax.__version__}; sizes {configs} (batch: global); mesh ('{AXIS}',) over "
-            "the 8 devices of each topology (2x1x4: every collective crosses hosts). LM: "
+            "the 8 devices of each topology (2x1x4: every 8-way collective crosses hosts). LM: "
             "FSDP, state leaves split along their largest dimension divisible by 8; ResNet: "
             "data parallel, state replicated, BatchNorm statistics over the global batch. "
             "Batch split on the axis, state donated. "
             "Collectives: one per array moved (a combined all-reduce of k arrays counts k); "
             "bytes: gathered result of an all-gather, operand of a reduce-scatter, array of an "
-            "all-reduce. Comm: ring estimate, sum over collectives, no overlap, at 450 GB/s "
-            f"(NVLink) and {inter_host_gbps} GB/s (inter-host). Memory: XLA's per-device "
+            "all-reduce. Comm: ring estimate, sum over collectives, no overlap, every "
+            f"collective at 450 GB/s (NVLink) and at {inter_host_gbps} GB/s (inter-host); 'by "
+            "link': each collective at the bandwidth of its bottleneck link, read from its "
+            "replica groups (a group with devices of two hosts: inter-host; within one host: "
+            "NVLink), ring factor of its group's size. Memory: XLA's per-device "
             "buffer assignment. State bytes/param: all state leaves (params, optimizer "
             "state, master weights, scale, fp8 meta, BatchNorm statistics) over the "
             "parameter count."
