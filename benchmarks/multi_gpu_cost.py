@@ -25,6 +25,10 @@ ResNet + optax.sgd; the mpjax paths are the policy, fp16 + `loss_scaled` (defaul
 batch for the stem max-pool's backward (`select_and_scatter`) in float16, as the fp16
 policy does.
 
+`--mesh hsdp`: a `("replica", "fsdp")` mesh of (hosts, GPUs per host), the state split within
+a host and replicated across hosts (HSDP), the batch over both axes: on `2x1x4` the "by link"
+column shows what stays on NVLink.
+
     JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick
     JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick --model resnet
 """
@@ -73,12 +77,14 @@ from mpjax._src.analysis.target import h100_topology  # noqa: E402
 REQUIRES_GPU = False
 TITLE = "Multi-GPU cost model: train steps on 8 deviceless H100s, vs hand-written bf16"
 AXIS = "fsdp"
+REPLICA = "replica"
 NVLINK_BYTES_PER_S = 450e9
 ANCHOR = "bf16"
 MIB = 2**20
 COLUMNS = [
     "model",
     "topology",
+    "mesh",
     "variant",
     "collectives",
     "collective MiB",
@@ -163,14 +169,31 @@ def _placed(tree, mesh: Mesh, spec_fn):
     return jax.tree.map(one, tree)
 
 
+MESHES = ("fsdp", "hsdp")
+
+
+def make_mesh(topology: str, layout: str = "fsdp") -> Mesh:
+    """One `fsdp` axis over the topology's devices, or (`"hsdp"`) `("replica", "fsdp")`:
+    one row per host (state split within a host, replicated across hosts, as HSDP does)."""
+    devices = h100_topology(topology).devices
+    if layout == "hsdp":
+        hosts = len({d.process_index for d in devices})
+        return Mesh(np.array(devices).reshape(hosts, -1), (REPLICA, AXIS))
+    return Mesh(np.array(devices).reshape(len(devices)), (AXIS,))
+
+
 def compile_fsdp(program, mesh: Mesh, split: str = "fsdp"):
-    """The train step compiled with its batch split over the mesh and its state split
-    FSDP-style (`split="fsdp"`) or replicated (`"replicated"`: data parallel)."""
-    n = mesh.devices.size
+    """The train step compiled with its batch split over every mesh axis and its state split
+    FSDP-style over the `fsdp` axis (`split="fsdp"`) or replicated (`"replicated"`: data
+    parallel)."""
+    n = mesh.shape[AXIS]
     key = jax.random.key(0)
     spec = (lambda x: fsdp_spec(x.shape, n)) if split == "fsdp" else (lambda x: P())
     state = _placed(jax.eval_shape(program.init, key), mesh, spec)
-    batch = _placed(jax.eval_shape(program.batch, key), mesh, lambda x: P(AXIS) if x.ndim else P())
+    batch_axes = tuple(mesh.axis_names)
+    batch = _placed(
+        jax.eval_shape(program.batch, key), mesh, lambda x: P(batch_axes) if x.ndim else P()
+    )
     out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
     step = jax.jit(program.step, out_shardings=out, donate_argnums=0)
     return step.trace(state, batch).lower().compile(), state
@@ -181,11 +204,16 @@ def _param_count(state) -> int:
 
 
 def measure(
-    topology: str, variant: str, cfg: dict, inter_host_bytes_per_s: float, model: str = "lm"
+    topology: str,
+    variant: str,
+    cfg: dict,
+    inter_host_bytes_per_s: float,
+    model: str = "lm",
+    layout: str = "fsdp",
 ) -> dict:
     """One variant on one topology: collectives, comm time, memory, state bytes per param."""
-    devices = h100_topology(topology).devices
-    mesh = Mesh(np.array(devices).reshape(len(devices)), (AXIS,))
+    mesh = make_mesh(topology, layout)
+    devices = list(mesh.devices.flat)
     variants, split = MODELS[model]
     compiled, state = compile_fsdp(variants[variant](cfg), mesh, split)
     records = collectives(compiled.as_text())
@@ -197,6 +225,7 @@ def measure(
     return {
         "model": model,
         "topology": topology,
+        "mesh": ",".join(f"{a}={k}" for a, k in mesh.shape.items()),
         "variant": variant,
         "collectives": len(records),
         "collective_bytes": sum(r.bytes for r in records),
@@ -220,6 +249,7 @@ def _row(r: dict, anchor: dict) -> list:
     return [
         r["model"],
         r["topology"],
+        r["mesh"],
         r["variant"],
         r["collectives"],
         round(r["collective_bytes"] / MIB, 2),
@@ -240,6 +270,7 @@ def run(
     variants=None,
     inter_host_gbps=50.0,
     models=("lm",),
+    layout="fsdp",
 ) -> dict:
     """Every variant of every model on every topology (the `benchmarks/run.py` entry)."""
     if not plugin_available():
@@ -253,7 +284,7 @@ def run(
             wanted.insert(0, ANCHOR)
         for t in topologies:
             for v in wanted:
-                results.append(measure(t, v, cfg, inter_host_gbps * 1e9, model))
+                results.append(measure(t, v, cfg, inter_host_gbps * 1e9, model, layout))
                 print(f"[multi-gpu] {model} {t} {v}", file=sys.stderr, flush=True)
     anchors = {(r["model"], r["topology"]): r for r in results if r["variant"] == ANCHOR}
     return {
@@ -261,8 +292,15 @@ def run(
         "columns": COLUMNS,
         "rows": [_row(r, anchors[r["model"], r["topology"]]) for r in results],
         "notes": (
-            f"jax {jax.__version__}; sizes {configs} (batch: global); mesh ('{AXIS}',) over "
-            "the 8 devices of each topology (2x1x4: every 8-way collective crosses hosts). LM: "
+            f"jax {jax.__version__}; sizes {configs} (batch: global); mesh '{layout}': "
+            + (
+                f"('{AXIS}',) over the 8 devices of each topology (2x1x4: every 8-way "
+                "collective crosses hosts). "
+                if layout == "fsdp"
+                else f"('{REPLICA}', '{AXIS}') = (hosts, GPUs per host): state split on "
+                f"'{AXIS}' (within a host), replicated over '{REPLICA}', batch over both. "
+            )
+            + "LM: "
             "FSDP, state leaves split along their largest dimension divisible by 8; ResNet: "
             "data parallel, state replicated, BatchNorm statistics over the global batch. "
             "Batch split on the axis, state donated. "
@@ -290,6 +328,13 @@ def main(argv=None) -> dict:
     known = sorted(set(VARIANTS) | set(RESNET_DP_VARIANTS))
     parser.add_argument("--variants", default="", help=f"comma-separated, of {known}")
     parser.add_argument("--inter-host-gbps", type=float, default=50.0)
+    parser.add_argument(
+        "--mesh",
+        default="fsdp",
+        choices=MESHES,
+        help="fsdp: one axis over all 8 GPUs; hsdp: (hosts, GPUs per host), state split "
+        "within a host and replicated across hosts",
+    )
     parser.add_argument("--json", default=None, help="write the full figures to this file")
     args = parser.parse_args(argv)
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -301,7 +346,7 @@ def main(argv=None) -> dict:
     if not plugin_available():
         raise SystemExit("multi_gpu_cost: deviceless CUDA compile unavailable (no plugin)")
     topologies = tuple(t.strip() for t in args.topologies.split(",") if t.strip())
-    result = run(args.quick, topologies, wanted or None, args.inter_host_gbps, models)
+    result = run(args.quick, topologies, wanted or None, args.inter_host_gbps, models, args.mesh)
     return emit(result, args.json)
 
 

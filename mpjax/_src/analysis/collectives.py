@@ -143,7 +143,8 @@ def comm_seconds(records: list, n_devices: int, bytes_per_s: float) -> float:
 
     Args:
       records: `Collective` records (of one device's program).
-      n_devices: the devices each collective spans.
+      n_devices: the devices a collective without `groups` spans (a record with groups
+        spans its group's size).
       bytes_per_s: the per-device link bandwidth.
 
     Returns:
@@ -151,7 +152,10 @@ def comm_seconds(records: list, n_devices: int, bytes_per_s: float) -> float:
     """
     if n_devices < 2:
         return 0.0
-    sent = sum(r.bytes * RING_FACTORS[r.op](n_devices) for r in records)
+    sent = 0.0
+    for r in records:
+        n = _group_size(r, n_devices)
+        sent += r.bytes * RING_FACTORS[r.op](n) if n > 1 else 0.0
     return sent / bytes_per_s
 
 
