@@ -325,6 +325,12 @@ def link_seconds(
 
     Returns:
       Seconds, summed over records (no overlap).
+
+    Example:
+      >>> from mpjax._src.analysis.collectives import Collective, link_seconds
+      >>> across = Collective("all-reduce", "f32", (8,), 32, groups=((0, 2), (1, 3)))
+      >>> link_seconds([across], hosts=[0, 0, 1, 1], intra_bytes_per_s=8.0, inter_bytes_per_s=1.0)
+      32.0
     """
     sent = link_bytes(records, hosts)
     return sent["intra"] / intra_bytes_per_s + sent["inter"] / inter_bytes_per_s

@@ -6,6 +6,10 @@ elementwise-and-flag kernel in `custom_partitioning`: the partitioner hands each
 shards (in the shardings the operands already have), the kernel runs on them, and the one
 cross-device value is the finiteness flag, combined with a scalar `pmin` over the mesh axes
 the operands are split on. On one device the kernel runs as it is.
+
+`per_row_shard` does the same for the channel kernels of a channels-last tensor (BatchNorm
+statistics, the conv epilogue): each device runs them on its rows (data parallelism splits the
+batch) and the per-channel sums they return are added over the devices with a `psum`.
 """
 
 from __future__ import annotations
@@ -164,6 +168,15 @@ def per_row_shard(
 
     Returns:
       `(row_outputs, sums)`: the row outputs split as `rows[0]`, the sums over all rows.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.kernels.sharded import per_row_shard
+      >>> kernel = lambda rows, vecs: ([rows[0] * vecs[0]], [rows[0].sum(axis=0)])
+      >>> outs, sums = per_row_shard(
+      ...     kernel, [jnp.ones((4, 2))], [jnp.full(2, 3.0)], n_row_outputs=1, n_sums=1)
+      >>> sums[0].tolist(), outs[0].shape
+      ([4.0, 4.0], (4, 2))
     """
     n_rows = len(rows)
 
