@@ -8,7 +8,10 @@ by 8 (replicated if none is), the batch split on the same axis, the state donate
 its shardings. The optimized per-device HLO is read by `mpjax/_src/analysis/collectives.py`:
 collectives by op and dtype with bytes, and a ring estimate of the communication time
 (all-gather / reduce-scatter send (n-1)/n of the buffer per device, all-reduce 2(n-1)/n) at
-NVLink's 450 GB/s and at the inter-host bandwidth (`--inter-host-gbps`, default 50); plus XLA's
+NVLink's 450 GB/s, at the inter-host bandwidth (`--inter-host-gbps`, default 50), and "by
+link": each collective classified by its replica groups (a group holding devices of both
+hosts rings across them and is limited by the inter-host link; a group within one host runs
+on NVLink) and charged at that link's bandwidth; plus XLA's
 per-device temp and argument memory and the state bytes per parameter. Ratios are against the
 hand-written Flax bf16 + optax.adamw anchor of the same run.
 
@@ -21,6 +24,10 @@ ResNet + optax.sgd; the mpjax paths are the policy, fp16 + `loss_scaled` (defaul
 (hand-written Flax float16) shows what XLA does with any float16 net: it all-gathers the
 batch for the stem max-pool's backward (`select_and_scatter`) in float16, as the fp16
 policy does.
+
+`--mesh hsdp`: a `("replica", "fsdp")` mesh of (hosts, GPUs per host), the state split within
+a host and replicated across hosts (HSDP), the batch over both axes: on `2x1x4` the "by link"
+column shows what stays on NVLink.
 
     JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick
     JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/multi_gpu_cost.py --quick --model resnet
@@ -58,24 +65,33 @@ from benchmarks.train_variants import (  # noqa: E402
     _resnet,
     _resnet_with,
 )
-from mpjax._src.analysis.collectives import collectives, comm_seconds, summary  # noqa: E402
+from mpjax._src.analysis.collectives import (  # noqa: E402
+    collectives,
+    comm_seconds,
+    link_bytes,
+    link_seconds,
+    summary,
+)
 from mpjax._src.analysis.target import h100_topology  # noqa: E402
 
 REQUIRES_GPU = False
 TITLE = "Multi-GPU cost model: train steps on 8 deviceless H100s, vs hand-written bf16"
 AXIS = "fsdp"
+REPLICA = "replica"
 NVLINK_BYTES_PER_S = 450e9
 ANCHOR = "bf16"
 MIB = 2**20
 COLUMNS = [
     "model",
     "topology",
+    "mesh",
     "variant",
     "collectives",
     "collective MiB",
     "vs anchor",
     "comm ms NVLink",
     "comm ms inter-host",
+    "comm ms by link",
     "temp MiB/dev",
     "args MiB/dev",
     "state B/param",
@@ -153,14 +169,31 @@ def _placed(tree, mesh: Mesh, spec_fn):
     return jax.tree.map(one, tree)
 
 
+MESHES = ("fsdp", "hsdp")
+
+
+def make_mesh(topology: str, layout: str = "fsdp") -> Mesh:
+    """One `fsdp` axis over the topology's devices, or (`"hsdp"`) `("replica", "fsdp")`:
+    one row per host (state split within a host, replicated across hosts, as HSDP does)."""
+    devices = h100_topology(topology).devices
+    if layout == "hsdp":
+        hosts = len({d.process_index for d in devices})
+        return Mesh(np.array(devices).reshape(hosts, -1), (REPLICA, AXIS))
+    return Mesh(np.array(devices).reshape(len(devices)), (AXIS,))
+
+
 def compile_fsdp(program, mesh: Mesh, split: str = "fsdp"):
-    """The train step compiled with its batch split over the mesh and its state split
-    FSDP-style (`split="fsdp"`) or replicated (`"replicated"`: data parallel)."""
-    n = mesh.devices.size
+    """The train step compiled with its batch split over every mesh axis and its state split
+    FSDP-style over the `fsdp` axis (`split="fsdp"`) or replicated (`"replicated"`: data
+    parallel)."""
+    n = mesh.shape[AXIS]
     key = jax.random.key(0)
     spec = (lambda x: fsdp_spec(x.shape, n)) if split == "fsdp" else (lambda x: P())
     state = _placed(jax.eval_shape(program.init, key), mesh, spec)
-    batch = _placed(jax.eval_shape(program.batch, key), mesh, lambda x: P(AXIS) if x.ndim else P())
+    batch_axes = tuple(mesh.axis_names)
+    batch = _placed(
+        jax.eval_shape(program.batch, key), mesh, lambda x: P(batch_axes) if x.ndim else P()
+    )
     out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
     step = jax.jit(program.step, out_shardings=out, donate_argnums=0)
     return step.trace(state, batch).lower().compile(), state
@@ -171,25 +204,35 @@ def _param_count(state) -> int:
 
 
 def measure(
-    topology: str, variant: str, cfg: dict, inter_host_bytes_per_s: float, model: str = "lm"
+    topology: str,
+    variant: str,
+    cfg: dict,
+    inter_host_bytes_per_s: float,
+    model: str = "lm",
+    layout: str = "fsdp",
 ) -> dict:
     """One variant on one topology: collectives, comm time, memory, state bytes per param."""
-    devices = h100_topology(topology).devices
-    mesh = Mesh(np.array(devices).reshape(len(devices)), (AXIS,))
+    mesh = make_mesh(topology, layout)
+    devices = list(mesh.devices.flat)
     variants, split = MODELS[model]
     compiled, state = compile_fsdp(variants[variant](cfg), mesh, split)
     records = collectives(compiled.as_text())
     memory = compiled.memory_analysis()
     n = len(devices)
+    # The HLO's device ids index the program's device assignment: the mesh's devices in order.
+    hosts = [d.process_index for d in mesh.devices.flat]
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     return {
         "model": model,
         "topology": topology,
+        "mesh": ",".join(f"{a}={k}" for a, k in mesh.shape.items()),
         "variant": variant,
         "collectives": len(records),
         "collective_bytes": sum(r.bytes for r in records),
         "comm_s_nvlink": comm_seconds(records, n, NVLINK_BYTES_PER_S),
         "comm_s_inter_host": comm_seconds(records, n, inter_host_bytes_per_s),
+        "comm_s_links": link_seconds(records, hosts, NVLINK_BYTES_PER_S, inter_host_bytes_per_s),
+        "link_bytes": link_bytes(records, hosts),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "state_bytes_per_param": state_bytes / _param_count(state),
@@ -206,12 +249,14 @@ def _row(r: dict, anchor: dict) -> list:
     return [
         r["model"],
         r["topology"],
+        r["mesh"],
         r["variant"],
         r["collectives"],
         round(r["collective_bytes"] / MIB, 2),
         round(ratio, 4),
         round(r["comm_s_nvlink"] * 1e3, 3),
         round(r["comm_s_inter_host"] * 1e3, 3),
+        round(r["comm_s_links"] * 1e3, 3),
         round(r["temp_bytes"] / MIB, 1),
         round(r["argument_bytes"] / MIB, 1),
         round(r["state_bytes_per_param"], 3),
@@ -225,6 +270,7 @@ def run(
     variants=None,
     inter_host_gbps=50.0,
     models=("lm",),
+    layout="fsdp",
 ) -> dict:
     """Every variant of every model on every topology (the `benchmarks/run.py` entry)."""
     if not plugin_available():
@@ -238,7 +284,7 @@ def run(
             wanted.insert(0, ANCHOR)
         for t in topologies:
             for v in wanted:
-                results.append(measure(t, v, cfg, inter_host_gbps * 1e9, model))
+                results.append(measure(t, v, cfg, inter_host_gbps * 1e9, model, layout))
                 print(f"[multi-gpu] {model} {t} {v}", file=sys.stderr, flush=True)
     anchors = {(r["model"], r["topology"]): r for r in results if r["variant"] == ANCHOR}
     return {
@@ -246,15 +292,25 @@ def run(
         "columns": COLUMNS,
         "rows": [_row(r, anchors[r["model"], r["topology"]]) for r in results],
         "notes": (
-            f"jax {jax.__version__}; sizes {configs} (batch: global); mesh ('{AXIS}',) over "
-            "the 8 devices of each topology (2x1x4: every collective crosses hosts). LM: "
+            f"jax {jax.__version__}; sizes {configs} (batch: global); mesh '{layout}': "
+            + (
+                f"('{AXIS}',) over the 8 devices of each topology (2x1x4: every 8-way "
+                "collective crosses hosts). "
+                if layout == "fsdp"
+                else f"('{REPLICA}', '{AXIS}') = (hosts, GPUs per host): state split on "
+                f"'{AXIS}' (within a host), replicated over '{REPLICA}', batch over both. "
+            )
+            + "LM: "
             "FSDP, state leaves split along their largest dimension divisible by 8; ResNet: "
             "data parallel, state replicated, BatchNorm statistics over the global batch. "
             "Batch split on the axis, state donated. "
             "Collectives: one per array moved (a combined all-reduce of k arrays counts k); "
             "bytes: gathered result of an all-gather, operand of a reduce-scatter, array of an "
-            "all-reduce. Comm: ring estimate, sum over collectives, no overlap, at 450 GB/s "
-            f"(NVLink) and {inter_host_gbps} GB/s (inter-host). Memory: XLA's per-device "
+            "all-reduce. Comm: ring estimate, sum over collectives, no overlap, every "
+            f"collective at 450 GB/s (NVLink) and at {inter_host_gbps} GB/s (inter-host); 'by "
+            "link': each collective at the bandwidth of its bottleneck link, read from its "
+            "replica groups (a group with devices of two hosts: inter-host; within one host: "
+            "NVLink), ring factor of its group's size. Memory: XLA's per-device "
             "buffer assignment. State bytes/param: all state leaves (params, optimizer "
             "state, master weights, scale, fp8 meta, BatchNorm statistics) over the "
             "parameter count."
@@ -272,6 +328,13 @@ def main(argv=None) -> dict:
     known = sorted(set(VARIANTS) | set(RESNET_DP_VARIANTS))
     parser.add_argument("--variants", default="", help=f"comma-separated, of {known}")
     parser.add_argument("--inter-host-gbps", type=float, default=50.0)
+    parser.add_argument(
+        "--mesh",
+        default="fsdp",
+        choices=MESHES,
+        help="fsdp: one axis over all 8 GPUs; hsdp: (hosts, GPUs per host), state split "
+        "within a host and replicated across hosts",
+    )
     parser.add_argument("--json", default=None, help="write the full figures to this file")
     args = parser.parse_args(argv)
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -283,7 +346,7 @@ def main(argv=None) -> dict:
     if not plugin_available():
         raise SystemExit("multi_gpu_cost: deviceless CUDA compile unavailable (no plugin)")
     topologies = tuple(t.strip() for t in args.topologies.split(",") if t.strip())
-    result = run(args.quick, topologies, wanted or None, args.inter_host_gbps, models)
+    result = run(args.quick, topologies, wanted or None, args.inter_host_gbps, models, args.mesh)
     return emit(result, args.json)
 
 

@@ -9,7 +9,15 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mpjax._src.analysis.collectives import Collective, collectives, comm_seconds, summary
+from mpjax._src.analysis.collectives import (
+    Collective,
+    collectives,
+    comm_seconds,
+    link_bytes,
+    link_seconds,
+    replica_groups,
+    summary,
+)
 
 HLO = """HloModule m
 
@@ -65,3 +73,100 @@ def test_compiled_fsdp_matmul_gathers_its_shard():
     assert records, "a replicated result of a sharded contraction needs a collective"
     assert {r.op for r in records} <= {"all-gather", "all-reduce", "reduce-scatter"}
     assert all(r.dtype == "f32" for r in records)
+
+
+# Two hosts of two devices: ids 0, 1 on host 0; 2, 3 on host 1.
+HOSTS = (0, 0, 1, 1)
+GROUPS_HLO = """HloModule g
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  %in_host = f32[16]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %across = f32[16]{0} all-reduce(%in_host), replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add
+  %mesh_in = f32[64]{0} all-gather(%across), MESH_GROUPS, dimensions={0}
+  %all = f32[16]{0} all-reduce(%p), replica_groups={}, to_apply=%add
+  ROOT %cp = f32[16]{0} collective-permute(%all), source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+}
+""".replace("MESH_GROUPS", "replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}")
+
+
+def test_replica_groups_of_every_form():
+    groups = {c.name: c.groups for c in collectives(GROUPS_HLO)}
+    assert groups == {
+        "in_host": ((0, 1), (2, 3)),
+        "across": ((0, 2), (1, 3)),
+        "mesh_in": ((0, 1), (2, 3)),
+        "all": (),
+        "cp": ((0, 1), (1, 0), (2, 3), (3, 2)),
+    }
+
+
+@pytest.mark.parametrize(
+    ("attrs", "groups"),
+    [
+        # The H100 compiler's mesh form with a device order: axis 0 (size 4) varies.
+        (
+            "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0))"
+            " {'axis_0'}, dimensions={0}",
+            ((0, 1, 2, 3), (4, 5, 6, 7)),
+        ),
+        ("replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, x=1", (tuple(range(8)),)),
+        # A sub-axis 'axis_0':(2)2: the middle factor of axis_0 = (2, 2, 2).
+        ("replica_groups=mesh['axis_0'=8] {'axis_0':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+        ("replica_groups=[1,4]<=[4], dimensions={0}", ((0, 1, 2, 3),)),
+        ("replica_groups=an-unknown-form", ()),
+        ("dimensions={0}", ()),
+    ],
+)
+def test_replica_groups_forms(attrs, groups):
+    assert replica_groups(attrs) == groups
+
+
+def test_each_collective_is_charged_at_its_link():
+    records = {c.name: c for c in collectives(GROUPS_HLO)}
+    # Within a host: ring of 2 (factor 1 for all-gather's 1/2 of 64 floats; 2*1/2 all-reduce).
+    assert link_bytes([records["in_host"], records["mesh_in"]], HOSTS) == {
+        "intra": 64 * 1 + 256 * 0.5,
+        "inter": 0.0,
+    }
+    # A group holding devices of both hosts (and () = all devices) is limited by the
+    # inter-host link; a permute within each host stays on NVLink.
+    assert link_bytes([records["across"], records["all"]], HOSTS) == {
+        "intra": 0.0,
+        "inter": 64 * 1 + 64 * 2 * 3 / 4,
+    }
+    assert link_bytes([records["cp"]], HOSTS) == {"intra": 64.0, "inter": 0.0}
+    every = list(records.values())
+    sent = link_bytes(every, HOSTS)
+    assert link_seconds(every, HOSTS, 4.0, 1.0) == pytest.approx(sent["intra"] / 4 + sent["inter"])
+    # One host: everything on NVLink, as `comm_seconds` charges it at one bandwidth.
+    one_host = link_seconds(every, (0, 0, 0, 0), 4.0, 1.0)
+    assert link_bytes(every, (0, 0, 0, 0))["inter"] == 0.0
+    assert one_host < link_seconds(every, HOSTS, 4.0, 1.0)
+
+
+def test_compiled_two_axis_mesh_groups_follow_the_axes():
+    """8 CPU devices as 2 "hosts" x 4 (device ids in mesh order): a sum over the inner axis
+    runs within each host, a sum over the outer axis across the two."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("host", "gpu"))
+    hosts = [0] * 4 + [1] * 4
+    x = jnp.ones((8, 16), jnp.float32)
+    for axis, spec, spans in ((1, P("host", "gpu"), False), (0, P("host", "gpu"), True)):
+        f = jax.jit(
+            lambda x, axis=axis: jnp.sum(x, axis=axis),
+            in_shardings=NamedSharding(mesh, spec),
+            out_shardings=NamedSharding(mesh, P()),
+        )
+        records = collectives(f.lower(x).compile().as_text())
+        reduce = [r for r in records if r.op == "all-reduce" and r.groups]
+        assert reduce, records
+        span = [len({hosts[d] for d in g}) > 1 for r in reduce for g in r.groups]
+        assert spans in span, (axis, [r.groups for r in reduce])
+        if not spans:
+            assert not any(span), (axis, [r.groups for r in reduce])

@@ -20,12 +20,26 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 from mpjax._src.analysis.hlo_cost import DTYPE_BYTES, op_name, parse_module
 
-__all__ = ["COLLECTIVE_OPS", "RING_FACTORS", "Collective", "collectives", "comm_seconds", "summary"]
+__all__ = [
+    "COLLECTIVE_OPS",
+    "RING_FACTORS",
+    "Collective",
+    "collectives",
+    "comm_seconds",
+    "link_bytes",
+    "link_seconds",
+    "replica_groups",
+    "summary",
+]
 
 COLLECTIVE_OPS = (
     "all-gather",
@@ -68,6 +82,9 @@ class Collective(NamedTuple):
       bytes: the buffer size the ring cost is quoted on (see the module docstring).
       name: the HLO instruction's name.
       op_name: JAX's name stack from the instruction's metadata ("" if none).
+      groups: the device groups it runs over (device ids of the program's device
+        assignment; a collective-permute's (source, target) pairs); () means all devices
+        (or a form `replica_groups` does not read).
     """
 
     op: str
@@ -76,6 +93,7 @@ class Collective(NamedTuple):
     bytes: int
     name: str = ""
     op_name: str = ""
+    groups: tuple = ()
 
 
 def _op(opcode: str) -> str | None:
@@ -112,11 +130,11 @@ def collectives(hlo_text: str) -> list[Collective]:
             op = _op(instr.opcode)
             if op is None:
                 continue
+            groups = replica_groups(instr.attrs)
             for dtype, dims in _arrays(op, instr.opcode, instr, comp):
                 nbytes = int(DTYPE_BYTES[dtype] * math.prod(dims))
-                out.append(
-                    Collective(op, dtype, tuple(dims), nbytes, instr.name, op_name(instr.attrs))
-                )
+                name = op_name(instr.attrs)
+                out.append(Collective(op, dtype, tuple(dims), nbytes, instr.name, name, groups))
     return out
 
 
@@ -125,7 +143,8 @@ def comm_seconds(records: list, n_devices: int, bytes_per_s: float) -> float:
 
     Args:
       records: `Collective` records (of one device's program).
-      n_devices: the devices each collective spans.
+      n_devices: the devices a collective without `groups` spans (a record with groups
+        spans its group's size).
       bytes_per_s: the per-device link bandwidth.
 
     Returns:
@@ -133,7 +152,10 @@ def comm_seconds(records: list, n_devices: int, bytes_per_s: float) -> float:
     """
     if n_devices < 2:
         return 0.0
-    sent = sum(r.bytes * RING_FACTORS[r.op](n_devices) for r in records)
+    sent = 0.0
+    for r in records:
+        n = _group_size(r, n_devices)
+        sent += r.bytes * RING_FACTORS[r.op](n) if n > 1 else 0.0
     return sent / bytes_per_s
 
 
@@ -144,3 +166,171 @@ def summary(records: list) -> dict:
         acc[f"{r.op} {r.dtype}"]["count"] += 1
         acc[f"{r.op} {r.dtype}"]["bytes"] += r.bytes
     return dict(sorted(acc.items()))
+
+
+_IOTA = re.compile(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH_AXIS = re.compile(r"'([^']+)'=([0-9]+)")
+_DEVICE_IDS = re.compile(r"\((?:\[[0-9,]+\]<=)?\[([0-9,]+)\](?:T\(([0-9,]+)\))?\)")
+_SUB_AXIS = re.compile(r"'([^']+)'(?::\(([0-9]+)\)([0-9]+))?")
+
+
+def _ints(text: str) -> list:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _iota(shape: str, dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list `[shape]<=[dims]T(perm)`: iota reshaped, transposed, reshaped."""
+    ids = np.arange(math.prod(_ints(dims))).reshape(_ints(dims))
+    if perm:
+        ids = ids.transpose(_ints(perm))
+    return ids.reshape(_ints(shape))
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """The index after the bracket that closes the one at `start`."""
+    depth, pairs = 0, {"(": ")", "[": "]", "{": "}"}
+    opening = text[start]
+    for i in range(start, len(text)):
+        if text[i] == opening:
+            depth += 1
+        elif text[i] == pairs[opening]:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _mesh_groups(text: str) -> tuple:
+    """`mesh['a'=4,'b'=2], device_ids=(<iota>) {'a'}`: the groups varying the named axes."""
+    end = _balanced_end(text, 4)
+    axes = [(n, int(k)) for n, k in _MESH_AXIS.findall(text[5 : end - 1])]
+    rest = text[end:]
+    ids = np.arange(math.prod(k for _, k in axes))
+    if rest.startswith(", device_ids=("):
+        inner = rest[len(", device_ids=") : _balanced_end(rest, len(", device_ids="))]
+        m = _DEVICE_IDS.fullmatch(inner)
+        if m is None:
+            return ()
+        ids = _iota(str(ids.size), *m.groups()).reshape(-1)
+        rest = rest[len(", device_ids=") + len(inner) :]
+    brace = rest.find("{")
+    if brace < 0:
+        return ()
+    # Split sub-axes ('a':(pre)size) into their own mesh dimensions, then keep the named ones.
+    shape, names = [], []
+    wanted = _SUB_AXIS.findall(rest[brace : _balanced_end(rest, brace)])
+    for name, size in axes:
+        subs = [(int(p), int(k)) for n, p, k in wanted if n == name and p]
+        if not subs:
+            shape.append(size)
+            names.append(name if (name, "", "") in wanted else None)
+            continue
+        pre, sub = subs[0]
+        shape += [pre, sub, size // (pre * sub)]
+        names += [None, name, None]
+    grid = ids.reshape(shape)
+    keep = [i for i, n in enumerate(names) if n is not None]
+    other = [i for i, n in enumerate(names) if n is None]
+    grid = grid.transpose(other + keep).reshape(-1, math.prod(shape[i] for i in keep))
+    return tuple(tuple(int(d) for d in g) for g in grid)
+
+
+def replica_groups(attrs: str) -> tuple:
+    """The device groups of one collective instruction's attributes, () if all or unknown.
+
+    Reads the explicit (`{{0,1},{2,3}}`), iota (`[2,4]<=[4,2]T(1,0)`) and mesh-axes
+    (`mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`) forms of `replica_groups`, and a
+    collective-permute's `source_target_pairs` (one group per pair).
+
+    Args:
+      attrs: the instruction's text after its operands.
+
+    Returns:
+      A tuple of groups, each a tuple of device ids.
+
+    Example:
+      >>> from mpjax._src.analysis.collectives import replica_groups
+      >>> replica_groups("channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}")
+      ((0, 1, 2, 3), (4, 5, 6, 7))
+    """
+    for key in ("source_target_pairs=", "replica_groups="):
+        i = attrs.find(key)
+        if i < 0:
+            continue
+        text = attrs[i + len(key) :]
+        if text.startswith("{"):
+            inner = text[1 : _balanced_end(text, 0) - 1]
+            return tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9,]*)\}", inner))
+        if text.startswith("mesh["):
+            return _mesh_groups(text)
+        m = _IOTA.match(text)
+        if m:
+            return tuple(tuple(int(d) for d in g) for g in _iota(*m.groups()))
+        return ()
+    return ()
+
+
+def _spans_hosts(record: Collective, hosts: Sequence[int]) -> bool:
+    groups = record.groups or (tuple(range(len(hosts))),)
+    return any(len({hosts[d] for d in g}) > 1 for g in groups)
+
+
+def _group_size(record: Collective, n_devices: int) -> int:
+    if record.op == "collective-permute":
+        return 2
+    return len(record.groups[0]) if record.groups and record.groups[0] else n_devices
+
+
+def link_bytes(records: list, hosts: Sequence[int]) -> dict:
+    """Bytes each device sends per collective ring, split by the link the ring is limited by.
+
+    A collective whose group holds devices of two hosts runs a ring across the hosts: the
+    inter-host link is its bottleneck ("inter"); a group within one host runs on NVLink
+    ("intra"). Each record sends its ring factor (for its group's size) times its bytes.
+
+    Args:
+      records: `Collective` records of one device's program, with their `groups`.
+      hosts: the host of each device id (the program's device assignment order).
+
+    Returns:
+      `{"intra": bytes, "inter": bytes}`.
+
+    Example:
+      >>> from mpjax._src.analysis.collectives import Collective, link_bytes
+      >>> within = Collective("all-reduce", "f32", (8,), 32, groups=((0, 1), (2, 3)))
+      >>> across = Collective("all-reduce", "f32", (8,), 32, groups=((0, 2), (1, 3)))
+      >>> link_bytes([within, across], hosts=[0, 0, 1, 1])
+      {'intra': 32.0, 'inter': 32.0}
+    """
+    out = {"intra": 0.0, "inter": 0.0}
+    for r in records:
+        n = _group_size(r, len(hosts))
+        if n < 2:
+            continue
+        sent = r.bytes * RING_FACTORS[r.op](n)
+        out["inter" if _spans_hosts(r, hosts) else "intra"] += sent
+    return out
+
+
+def link_seconds(
+    records: list, hosts: Sequence[int], intra_bytes_per_s: float, inter_bytes_per_s: float
+) -> float:
+    """Ring communication time with each collective charged at its bottleneck link.
+
+    Args:
+      records: `Collective` records of one device's program, with their `groups`.
+      hosts: the host of each device id (the program's device assignment order).
+      intra_bytes_per_s: the per-device bandwidth within a host (NVLink).
+      inter_bytes_per_s: the per-device bandwidth between hosts.
+
+    Returns:
+      Seconds, summed over records (no overlap).
+
+    Example:
+      >>> from mpjax._src.analysis.collectives import Collective, link_seconds
+      >>> across = Collective("all-reduce", "f32", (8,), 32, groups=((0, 2), (1, 3)))
+      >>> link_seconds([across], hosts=[0, 0, 1, 1], intra_bytes_per_s=8.0, inter_bytes_per_s=1.0)
+      32.0
+    """
+    sent = link_bytes(records, hosts)
+    return sent["intra"] / intra_bytes_per_s + sent["inter"] / inter_bytes_per_s

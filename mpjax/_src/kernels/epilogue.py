@@ -26,6 +26,7 @@ from mpjax._src.kernels.common import (
     row_groups,
 )
 from mpjax._src.kernels.dispatch import dispatch
+from mpjax._src.kernels.sharded import per_row_shard
 
 __all__ = ["ACTIVATIONS", "conv_epilogue", "conv_epilogue_reference"]
 
@@ -174,17 +175,46 @@ def _epilogue_pallas(activation, out_dtype, y, scale, shift, residual, *, interp
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _epilogue_vjp(y, scale, shift, residual, activation, out_dtype, interpret):
-    return _forward_call(y, scale, shift, residual, activation, out_dtype, interpret)
+    return _forward_sharded(y, scale, shift, residual, activation, out_dtype, interpret)
 
 
 def _epilogue_fwd(y, scale, shift, residual, activation, out_dtype, interpret):
-    out = _forward_call(y, scale, shift, residual, activation, out_dtype, interpret)
+    out = _forward_sharded(y, scale, shift, residual, activation, out_dtype, interpret)
     return out, (y, scale, shift, residual)
 
 
 def _epilogue_bwd(activation, out_dtype, interpret, saved, g):
     y, scale, shift, residual = saved
-    return _backward_call(y, scale, shift, residual, g, activation, interpret)
+    return _backward_sharded(y, scale, shift, residual, g, activation, interpret)
+
+
+def _forward_sharded(y, scale, shift, residual, activation, out_dtype, interpret):
+    """The forward kernel on each device's rows (data parallelism keeps the batch split)."""
+    rows = [y] if residual is None else [y, residual]
+
+    def kernel(rows, vectors):
+        res = rows[1] if len(rows) > 1 else None
+        out = _forward_call(rows[0], *vectors, res, activation, out_dtype, interpret)
+        return [out], []
+
+    return per_row_shard(kernel, rows, [scale, shift], n_row_outputs=1, n_sums=0)[0][0]
+
+
+def _backward_sharded(y, scale, shift, residual, g, activation, interpret):
+    """The backward kernel on each device's rows; `dscale` and `dshift` summed over devices."""
+    rows = [y, g] if residual is None else [y, g, residual]
+
+    def kernel(rows, vectors):
+        res = rows[2] if len(rows) > 2 else None
+        dy, dsc, dsh, dres = _backward_call(rows[0], *vectors, res, rows[1], activation, interpret)
+        return [dy] + ([] if res is None else [dres]), [dsc, dsh]
+
+    n_out = len(rows) - 1
+    outs, (dscale, dshift) = per_row_shard(
+        kernel, rows, [scale, shift], n_row_outputs=n_out, n_sums=2
+    )
+    dres = outs[1] if residual is not None else None
+    return outs[0], dscale.astype(scale.dtype), dshift.astype(shift.dtype), dres
 
 
 _epilogue_vjp.defvjp(_epilogue_fwd, _epilogue_bwd)
@@ -291,6 +321,5 @@ def _backward_call(y, scale, shift, residual, g, activation, interpret):
         name="mpjax_conv_epilogue_bwd",
     )(*operands)
     dy, dres = outs[0], (outs[1] if has_res else None)
-    dscale = jnp.sum(outs[-2], axis=0).astype(scale.dtype)
-    dshift = jnp.sum(outs[-1], axis=0).astype(shift.dtype)
-    return dy, dscale, dshift, dres
+    # In the compute dtype: the sums of the shards are added up across devices first.
+    return dy, jnp.sum(outs[-2], axis=0), jnp.sum(outs[-1], axis=0), dres

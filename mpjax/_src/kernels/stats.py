@@ -25,6 +25,7 @@ from mpjax._src.kernels.common import (
     row_groups,
 )
 from mpjax._src.kernels.dispatch import dispatch
+from mpjax._src.kernels.sharded import per_row_shard
 
 __all__ = ["channel_stats", "channel_stats_reference"]
 
@@ -69,11 +70,11 @@ def channel_stats_reference(y: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _stats_pallas(y, interpret):
-    return _stats_call(y, interpret)
+    return _stats_sharded(y, interpret)
 
 
 def _stats_fwd(y, interpret):
-    return _stats_call(y, interpret), y
+    return _stats_sharded(y, interpret), y
 
 
 def _stats_bwd(interpret, y, cotangents):
@@ -84,6 +85,12 @@ def _stats_bwd(interpret, y, cotangents):
 
 
 _stats_pallas.defvjp(_stats_fwd, _stats_bwd)
+
+
+def _stats_sharded(y, interpret):
+    """The kernel on each device's rows of `y`, the per-channel sums added over devices."""
+    kernel = lambda rows, vectors: ([], list(_stats_call(rows[0], interpret)))
+    return tuple(per_row_shard(kernel, [y], [], n_row_outputs=0, n_sums=2)[1])
 
 
 def _stats_call(y, interpret):
