@@ -55,6 +55,7 @@ __all__ = [
     "CharLMConfig",
     "CharTransformer",
     "FP8_RECIPE",
+    "PARAM_DTYPES",
     "Corpus",
     "apply_precision",
     "load_corpus",
@@ -71,6 +72,9 @@ _LN2 = float(np.log(2.0))
 # (the top-level Dense) stays in bf16, as LM heads usually do.
 FP8 = "fp8"
 FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
+
+# --param-dtype: the dtype the params are stored (and trained) in.
+PARAM_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +99,9 @@ class CharLMConfig:
         rounding: `mpjax.low_precision_state`) or "bf16-nearest".
       master_weights: `loss_scaled`'s `master_weights` ("auto" or "remainder"; the
         remainder applies to bfloat16-stored params).
+      param_dtype: how the params are stored: "f32", or "bf16" (initialised in float32,
+        then rounded to bfloat16; `loss_scaled` keeps their float32 master, whole or as a
+        remainder per `master_weights`).
     """
 
     precision: str = "fp16"
@@ -111,12 +118,18 @@ class CharLMConfig:
     growth_interval: int = 100
     optimizer_state: str = "f32"
     master_weights: str = "auto"
+    param_dtype: str = "f32"
 
     def __post_init__(self):
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(
                 f"CharLMConfig.optimizer_state={self.optimizer_state!r}; choose from "
                 f"{', '.join(OPTIMIZER_STATES)}"
+            )
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"CharLMConfig.param_dtype={self.param_dtype!r}; choose from "
+                f"{', '.join(PARAM_DTYPES)}"
             )
         if self.precision not in PRECISIONS and self.precision != FP8:
             raise ValueError(
@@ -287,6 +300,8 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
 
     def init(rng):
         params = model.init(rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+        dtype = PARAM_DTYPES[config.param_dtype]
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
         return params, tx.init(params)
 
     def step(carry, tokens, step_index):
@@ -443,6 +458,12 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="loss_scaled's master weights (remainder: bf16-stored params only)",
     )
+    p.add_argument(
+        "--param-dtype",
+        choices=tuple(PARAM_DTYPES),
+        default=d.param_dtype,
+        help="how the params are stored (bf16: loss_scaled keeps a float32 master)",
+    )
     return p
 
 
@@ -459,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         num_heads=args.heads,
         optimizer_state=args.optimizer_state,
         master_weights=args.master_weights,
+        param_dtype=args.param_dtype,
         **run_kwargs(args),
     )
     print()
