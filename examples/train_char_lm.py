@@ -11,6 +11,8 @@ the module-level alternative, `mpjax.apply_policy`.
 Run from the repository root:
 
     python examples/train_char_lm.py                # fp32, bf16, fp16; table + results/char_lm.png
+    python examples/train_char_lm.py --precisions bf16 --param-dtype bf16 \
+        --master-weights remainder --optimizer-state bf16   # 8 bytes/param of state
 """
 
 from __future__ import annotations
