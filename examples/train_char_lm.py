@@ -11,8 +11,11 @@ the module-level alternative, `mpjax.apply_policy`.
 Run from the repository root:
 
     python examples/train_char_lm.py                # fp32, bf16, fp16; table + results/char_lm.png
-    python examples/train_char_lm.py --precisions bf16 --param-dtype bf16 \
-        --master-weights remainder --optimizer-state bf16   # 8 bytes/param of state
+    python examples/train_char_lm.py --precisions bf16 --optimizer-state bf16  # bf16 AdamW state
+
+`--param-dtype bf16` stores the params in bfloat16 (`loss_scaled` then keeps their float32
+master; `--master-weights remainder` keeps it as an int16 remainder: with bf16 state, 8
+bytes per param of training state).
 """
 
 from __future__ import annotations
