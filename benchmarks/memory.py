@@ -75,6 +75,12 @@ MODES = {
         jnp.bfloat16,
         lambda: mpjax.loss_scaled(mpjax.low_precision_state(_adamw()), master_weights="remainder"),
     ),
+    "bf16 params + remainder + int8 state": (
+        jnp.bfloat16,
+        lambda: mpjax.loss_scaled(
+            mpjax.low_precision_state(_adamw(), jnp.int8), master_weights="remainder"
+        ),
+    ),
 }
 ANCHOR = "bf16 params + float32 master (today)"
 
@@ -199,7 +205,7 @@ def run(
     quick: bool = False,
     costs: bool = True,
     convergence: bool = True,
-    char_lm_seeds: int = 1,
+    char_lm_seeds: int = 2,
     digits_seeds: int = 10,
 ) -> dict:
     size = "quick" if quick else "gpt2"
@@ -242,7 +248,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="small models and runs, for tests")
     p.add_argument("--no-costs", action="store_true", help="skip the H100 cost model")
     p.add_argument("--no-convergence", action="store_true", help="skip the training runs")
-    p.add_argument("--char-lm-seeds", type=int, default=1, help="char-LM seeds per mode")
+    p.add_argument("--char-lm-seeds", type=int, default=2, help="char-LM seeds per mode")
     p.add_argument("--digits-seeds", type=int, default=10, help="digits seeds per mode")
     p.add_argument("--json", type=Path, help="write the result here")
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -19,6 +19,8 @@ _STATE_NAMES = {
     "f32": "float32",
     "bf16": "bfloat16, stochastic",
     "bf16-nearest": "bfloat16, nearest",
+    "int8": "8-bit (int8 blockwise), nearest",
+    "int8-stochastic": "8-bit (int8 blockwise), stochastic",
 }
 _CHECKS = ("losses", "metric", "masters")
 _MASTER_NAMES = {"auto": "float32", "remainder": "int16 remainder"}
@@ -108,6 +110,29 @@ def _not_run(result: dict) -> str | None:
     return "Not measured in this run (`--no-convergence`).\n"
 
 
+def _identity_note(check: dict) -> str:
+    """What the float32-master and remainder runs had in common, seed by seed."""
+    per_seed = check.get("per_seed", [check])
+    same = [i for i, c in enumerate(per_seed) if all(c[k] for k in _CHECKS)]
+    text = "The runs with a float32 master and with the remainder are "
+    if len(same) == len(per_seed):
+        return text + (
+            "bit for bit identical (every step's loss, the metric and the final float32 "
+            f"masters; {_seeds(same)})."
+        )
+    parts = [f"bit for bit identical for {_seeds(same)}"] if same else []
+    for i, c in enumerate(per_seed):
+        if i not in same:
+            losses = "the same losses" if c["losses"] else "different losses"
+            n = c.get("differing_master_elements", "some")
+            parts.append(f"for seed {i}, {losses} and {n} master element(s) apart")
+    return text + "; ".join(parts) + " (see below)."
+
+
+def _seeds(seeds: list[int]) -> str:
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"
+
+
 def char_lm_section(result: dict) -> str:
     """Validation bits/byte of the char-LM per mode, and the remainder's bit-identity check."""
     if (why := _not_run(result)) is not None:
@@ -132,15 +157,7 @@ def char_lm_section(result: dict) -> str:
     seeds = "seed 0" if lm["seeds"] == 1 else f"mean ± std over seeds 0-{lm['seeds'] - 1}"
     columns = ["params", "master", "AdamW state", "bytes / param", f"val bits/byte ({seeds})"]
     columns.append("vs float32 state")
-    check = lm["bit_identical"]
-    differ = [k for k in _CHECKS if not check[k]]
-    verdict = (
-        f"NOT identical ({', '.join(differ)} differ)"
-        if differ
-        else "bit for bit identical (every step's loss, the metric and the final float32 masters)"
-    )
-    note = f"{lm['steps']} steps. The runs with a float32 master and with the remainder are "
-    note += f"{verdict}."
+    note = f"{lm['steps']} steps. " + _identity_note(lm["bit_identical"])
     return markdown_table(columns, rows) + "\n\n" + note + "\n"
 
 

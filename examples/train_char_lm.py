@@ -101,7 +101,8 @@ class CharLMConfig:
       initial_scale: initial dynamic loss scale (fp16 only).
       growth_interval: finite steps between loss-scale doublings (fp16 only).
       optimizer_state: "f32" (AdamW moments in float32), "bf16" (bfloat16, stochastic
-        rounding: `mpjax.low_precision_state`) or "bf16-nearest".
+        rounding: `mpjax.low_precision_state`), "bf16-nearest", "int8" (blockwise 8-bit codes,
+        nearest rounding) or "int8-stochastic".
       master_weights: `loss_scaled`'s `master_weights` ("auto" or "remainder"; the
         remainder applies to bfloat16-stored params).
       param_dtype: how the params are stored: "f32", or "bf16" (initialised in float32,
@@ -455,7 +456,8 @@ def _parser() -> argparse.ArgumentParser:
         "--optimizer-state",
         choices=OPTIMIZER_STATES,
         default="f32",
-        help="AdamW moments in float32, or bfloat16 (stochastic or nearest rounding)",
+        help="AdamW moments in float32, bfloat16 (stochastic or nearest rounding) or 8 bits "
+        "(nearest or stochastic rounding)",
     )
     p.add_argument(
         "--master-weights",

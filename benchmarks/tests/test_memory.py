@@ -2,7 +2,7 @@
 
 The convergence part runs here in `--quick` form (small models, short runs): its structure,
 the bytes per parameter of each mode's trained state, and that the char-LM with a float32
-master and with `master_weights="remainder"` train bit for bit alike (deterministic).
+master and with `master_weights="remainder"` train bit for bit alike (seed 0).
 No timings are asserted.
 """
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT / "docs"))
 
 from memory_tables import SECTIONS, write_memory_tables  # noqa: E402
 
-# Bytes per param of each mode's state (a few scalar counters add < 0.05).
+# Bytes per param of each mode's state: scalar counters add < 0.05; int8 state adds a
+# float32 scale per block of up to 256 elements of each leaf (more on small leaves).
 CHAR_LM_BYTES = {
     "float32 state": 12,  # f32 params, f32 mu and nu, no master
     "bf16 state, stochastic": 8,
@@ -30,14 +31,27 @@ CHAR_LM_BYTES = {
     "bf16 params + float32 master": 14,
     "bf16 params + remainder": 12,
     "bf16 params + remainder + bf16 state, stochastic": 8,
+    "int8 state": 6,  # f32 params, 8-bit mu and nu (+ a float32 scale per 256)
+    "int8 state, stochastic": 6,
+    "bf16 params + remainder + int8 state": 6,
 }
-DIGITS_BYTES = {"float32 state": 12, "bf16 state, stochastic": 8, "bf16 state, nearest": 8}
+DIGITS_BYTES = {
+    "float32 state": 12,
+    "bf16 state, stochastic": 8,
+    "bf16 state, nearest": 8,
+    "int8 state": 6,
+}
+
+
+def _slack(mode: str) -> float:
+    return 0.5 if "int8" in mode else 0.05
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     path = tmp_path_factory.mktemp("memory") / "memory.json"
-    argv = ["--quick", "--no-costs", "--digits-seeds", "2", "--json", str(path)]
+    argv = ["--quick", "--no-costs", "--char-lm-seeds", "1", "--digits-seeds", "2"]
+    argv += ["--json", str(path)]
     returned = memory.main(argv)
     return returned, json.loads(path.read_text()), path
 
@@ -48,14 +62,17 @@ def test_quick_command_writes_state_and_convergence(quick):
     assert result["size"] == "quick" and "step" not in result
     assert {r["mode"] for r in result["state"]} == set(memory.MODES)
     about = result["about"]
-    assert about["command"] == "python benchmarks/memory.py --quick --no-costs --digits-seeds 2"
+    want = "python benchmarks/memory.py --quick --no-costs --char-lm-seeds 1 --digits-seeds 2"
+    assert about["command"] == want
     assert not re.search(r"(?<![\w.])/[A-Za-z]", json.dumps(result))  # no absolute paths
 
     lm = result["convergence"]["char_lm"]
     assert [r["mode"] for r in lm["rows"]] == list(memory_convergence.CHAR_LM_MODES)
     assert lm["steps"] == memory_convergence.QUICK_CHAR_LM["steps"] and lm["seeds"] == 1
     for r in lm["rows"]:
-        assert r["bytes_per_param"] == pytest.approx(CHAR_LM_BYTES[r["mode"]], abs=0.05)
+        assert r["bytes_per_param"] == pytest.approx(
+            CHAR_LM_BYTES[r["mode"]], abs=_slack(r["mode"])
+        )
         assert 0.0 < r["val_bits_per_byte"] < 8.0
         assert r["vs_float32_state_pct"] == pytest.approx(
             100 * (r["val_bits_per_byte"] / lm["rows"][0]["val_bits_per_byte"] - 1)
@@ -66,13 +83,21 @@ def test_quick_command_writes_state_and_convergence(quick):
     assert [r["mode"] for r in d["rows"]] == list(memory_convergence.DIGITS_MODES)
     assert d["seeds"] == 2 and d["test_images"] > 0
     for r in d["rows"]:
-        assert r["bytes_per_param"] == pytest.approx(DIGITS_BYTES[r["mode"]], abs=0.05)
+        assert r["bytes_per_param"] == pytest.approx(DIGITS_BYTES[r["mode"]], abs=_slack(r["mode"]))
         assert len(r["accuracies"]) == 2 and all(0 <= a <= 100 for a in r["accuracies"])
         ref = d["rows"][0]["accuracy_mean"]
         assert r["vs_float32_state_pp"] == pytest.approx(r["accuracy_mean"] - ref)
 
 
 def test_remainder_trains_bit_for_bit_like_the_float32_master(quick):
+    """Seed 0 of the quick char-LM: every loss, the metric and the masters bit for bit.
+
+    Deterministic for a given XLA build. Not a law of every build: the two train steps are
+    different programs, and XLA may contract a multiply-add into an FMA in one and not the
+    other (seed 1 of this configuration has one master element 1 ulp apart after step 3
+    on XLA:CPU with AVX2; none with `--xla_cpu_max_isa=SSE4_2`). `tests/scaling/test_memory.py`
+    checks the update itself bit for bit, fed the same gradients.
+    """
     lm = quick[1]["convergence"]["char_lm"]
     check = lm["bit_identical"]
     assert check["pair"] == list(memory_convergence.IDENTICAL_PAIR)
@@ -89,12 +114,11 @@ def test_bit_identical_tells_runs_apart(quick):
     corpus = load_corpus(200_000)
     config = CharLMConfig(precision="bf16", param_dtype="bf16", **memory_convergence.QUICK_CHAR_LM)
     a, b = train(config, 0, corpus=corpus), train(config, 1, corpus=corpus)
-    assert memory_convergence.bit_identical(a, a) == {
-        "losses": True,
-        "metric": True,
-        "masters": True,
-    }
-    assert not any(memory_convergence.bit_identical(a, b).values())
+    same = memory_convergence.bit_identical(a, a)
+    assert same == {"losses": True, "metric": True, "masters": True, "differing_master_elements": 0}
+    other = memory_convergence.bit_identical(a, b)
+    assert not (other["losses"] or other["metric"] or other["masters"])
+    assert other["differing_master_elements"] > 0
 
 
 def test_docs_tables_generate_from_the_json(quick, tmp_path):
@@ -117,7 +141,10 @@ def test_committed_results_are_one_full_run():
     assert {r["mode"] for r in result["train_step"]} == set(memory.MODES)
     lm = result["convergence"]["char_lm"]
     assert lm["steps"] == 500
-    assert all(lm["bit_identical"][k] for k in ("losses", "metric", "masters"))
+    check = lm["bit_identical"]
+    assert len(check["per_seed"]) == lm["seeds"] >= 1
     for r in lm["rows"]:
-        assert r["bytes_per_param"] == pytest.approx(CHAR_LM_BYTES[r["mode"]], abs=0.05)
+        assert r["bytes_per_param"] == pytest.approx(
+            CHAR_LM_BYTES[r["mode"]], abs=_slack(r["mode"])
+        )
     assert not re.search(r"(?<![\w.])/[A-Za-z]", json.dumps(result))  # no absolute paths

@@ -375,4 +375,4 @@ def test_low_precision_state_bad_arguments_name_the_culprit():
     with pytest.raises(ValueError, match="bfloat16"):
         mpjax.low_precision_state(optax.adam(1e-3), dtype=jnp.float16)
     with pytest.raises(TypeError, match="floating"):
-        mpjax.low_precision_state(optax.adam(1e-3), dtype=jnp.int8, rounding="nearest")
+        mpjax.low_precision_state(optax.adam(1e-3), dtype=jnp.int16, rounding="nearest")
