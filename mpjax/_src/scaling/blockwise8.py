@@ -1,12 +1,13 @@
 """8-bit optimizer state: blockwise-scaled int8 codes of a dynamic (decade) codebook.
 
 A float array is cut (flattened, in blocks of `block_size` elements) into blocks; each
-block keeps its absolute maximum as a float32 scale, and each element an int8 code: the
-sign, and the index of `|x| / scale` in `CODEBOOK`, 127 magnitudes in [1e-6, 1] spread
-over six decades with the most points in the top one (64 in [0.1, 1], 32 in [0.01, 0.1],
-..., 1 at 1e-6) plus zero: fine steps near each block's maximum, range down to a millionth
-of it (the idea of bitsandbytes' and torchao's dynamic quantisation map, for Adam's moments
-whose magnitudes span decades within a block). 1 + 4 / block_size bytes per element.
+block keeps its absolute maximum as a float32 scale, and each element an int8 code: its
+sign, and the index of its magnitude over the scale in `CODEBOOK`, 127 magnitudes in
+[1e-6, 1] spread over six decades with the most points in the top one (64 in [0.1, 1], 32
+in [0.01, 0.1], ..., 1 at 1e-6) plus zero: fine steps near each block's maximum, range
+down to a millionth of it (the idea of bitsandbytes' and torchao's dynamic quantisation
+map, for Adam's moments whose magnitudes span decades within a block). 1 + 4 / block_size
+bytes per element.
 
 Rounding between the two neighbouring codes is to nearest, or stochastic (up with
 probability proportional to the distance, so unbiased: `E[dequantize(quantize(x))] == x`).
@@ -44,7 +45,8 @@ class Blockwise8(NamedTuple):
     """One array stored in 8 bits.
 
     Attributes:
-      codes: int8, shaped like the array: sign times the `CODEBOOK` index of |x| / scale.
+      codes: int8, shaped like the array: the sign of each element times the `CODEBOOK`
+        index of its magnitude over the scale.
       scales: float32, one per block of `block_size` consecutive elements (flattened order):
         the block's absolute maximum (1 for an all-zero block).
     """
