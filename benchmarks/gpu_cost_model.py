@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -210,8 +211,10 @@ def result_dict(results: list, quick: bool, width: str = "gpt2") -> dict:
     }
 
 
-def delegate_to_gpu_aot(script: Path, quick: bool) -> dict:
-    """Runs `script --json` under the gpu-aot python of `$MPJAX_GPU_AOT_PYTHON`; its result.
+def delegate_to_gpu_aot(script: Path, quick: bool, extra_args: Sequence[str] = ()) -> dict:
+    """Runs `script --json [extra_args]` under the gpu-aot python of `$MPJAX_GPU_AOT_PYTHON`.
+
+    Returns the JSON the script wrote.
 
     Raises:
       Skip: the variable is unset (the benchmark is then reported as not run).
@@ -226,7 +229,8 @@ def delegate_to_gpu_aot(script: Path, quick: bool) -> dict:
         )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [python, str(script), "--json", str(out)] + (["--quick"] if quick else [])
+        cmd = [python, str(script), "--json", str(out), *extra_args]
+        cmd += ["--quick"] if quick else []
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0 or not out.exists():

@@ -17,9 +17,15 @@ One command:
    bfloat16, params stored in each mode's dtype, state donated) on the same cost model:
    roofline and bytes vs today's step with bf16 params and a float32 master.
 
-Convergence is run by the examples (`examples/train_char_lm.py --optimizer-state ...
---master-weights ...`, `examples/train_digits.py --optimizer-state ...`); see
-docs/guides/memory.md. `--quick` uses the small LM.
+4. Convergence (`benchmarks/memory_convergence.py`): the char-LM and digits examples,
+   trained by their `train` functions in each mode, against the float32-state run; the
+   float32-master and remainder char-LM runs must be bit-identical (losses, metric,
+   masters), which is checked and reported. `--no-convergence` skips it.
+
+`--quick` uses the small LM and short, small training runs (for tests); `--json PATH`
+writes everything, and docs/guides/memory.md's tables are generated from
+`benchmarks/memory_results.json` (written by the command above with
+`--json benchmarks/memory_results.json`) by `docs/memory_tables.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,6 +74,12 @@ MODES = {
     "bf16 params + remainder + bf16 state": (
         jnp.bfloat16,
         lambda: mpjax.loss_scaled(mpjax.low_precision_state(_adamw()), master_weights="remainder"),
+    ),
+    "bf16 params + remainder + int8 state": (
+        jnp.bfloat16,
+        lambda: mpjax.loss_scaled(
+            mpjax.low_precision_state(_adamw(), jnp.int8), master_weights="remainder"
+        ),
     ),
 }
 ANCHOR = "bf16 params + float32 master (today)"
@@ -172,7 +185,29 @@ def _table(rows: list[dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run(quick: bool = False, costs: bool = True) -> dict:
+def _about(argv: list[str]) -> dict:
+    """The command, date and software of a run (no paths of the machine)."""
+    import platform
+
+    import jaxlib
+
+    return {
+        "command": " ".join(["python benchmarks/memory.py", *argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+    }
+
+
+def run(
+    quick: bool = False,
+    costs: bool = True,
+    convergence: bool = True,
+    char_lm_seeds: int = 2,
+    digits_seeds: int = 10,
+) -> dict:
     size = "quick" if quick else "gpt2"
     out = {"size": size, "state": state_bytes(size)}
     if costs:
@@ -181,20 +216,55 @@ def run(quick: bool = False, costs: bool = True) -> dict:
             out["train_step"] = train_step_costs(size)
         else:
             try:
-                delegated = gcm.delegate_to_gpu_aot(Path(__file__), quick)
+                args = ["--no-convergence"]
+                delegated = gcm.delegate_to_gpu_aot(Path(__file__), quick, args)
                 out["step"], out["train_step"] = delegated["step"], delegated["train_step"]
             except gcm.Skip as e:
                 out["step_skipped"] = str(e)
+    if convergence:
+        from benchmarks import memory_convergence
+
+        out["convergence"] = memory_convergence.run(quick, char_lm_seeds, digits_seeds)
     return out
+
+
+def print_convergence(conv: dict) -> None:
+    """The convergence tables and the bit-identity check, on stdout."""
+    lm = conv["char_lm"]
+    print(f"\nchar-LM, bf16 compute, {lm['steps']} steps, {lm['seeds']} seed(s)")
+    keys = ["mode", "val_bits_per_byte", "vs_float32_state_pct", "bytes_per_param"]
+    print(_table(lm["rows"], keys))
+    same = lm["bit_identical"]
+    verdict = "bit-identical" if all(same[k] for k in ("losses", "metric", "masters")) else "DIFFER"
+    print(f"{' vs '.join(same['pair'])}: {verdict} ({same})")
+    d = conv["digits"]
+    print(f"\ndigits, bf16 compute, {d['steps']} steps, {d['seeds']} seeds")
+    keys = ["mode", "accuracy_mean", "accuracy_std", "vs_float32_state_pp", "bytes_per_param"]
+    print(_table(d["rows"], keys))
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="the small LM instead of GPT-2 small")
+    p.add_argument("--quick", action="store_true", help="small models and runs, for tests")
     p.add_argument("--no-costs", action="store_true", help="skip the H100 cost model")
+    p.add_argument("--no-convergence", action="store_true", help="skip the training runs")
+    p.add_argument("--char-lm-seeds", type=int, default=2, help="char-LM seeds per mode")
+    p.add_argument("--digits-seeds", type=int, default=10, help="digits seeds per mode")
     p.add_argument("--json", type=Path, help="write the result here")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    result = run(args.quick, not args.no_costs)
+    if min(args.char_lm_seeds, args.digits_seeds) < 1:
+        p.error("--char-lm-seeds and --digits-seeds must be >= 1")
+    start = time.perf_counter()
+    result = run(
+        args.quick,
+        not args.no_costs,
+        not args.no_convergence,
+        args.char_lm_seeds,
+        args.digits_seeds,
+    )
+    shown = [a for i, a in enumerate(argv) if a != "--json" and argv[i - 1 : i] != ["--json"]]
+    result["about"] = {**_about(shown), "seconds": round(time.perf_counter() - start)}
     keys = ["mode", "param_bytes", "opt_state_bytes", "bytes_per_param", "GiB_per_device_fsdp8"]
     print(f"Training state, {result['size']} LM ({result['state'][0]['params']:,} params)")
     print(_table(result["state"], keys))
@@ -205,10 +275,15 @@ def main(argv=None) -> dict:
         print(f"\nWhole train step on the H100 cost model (batch {batch})")
         keys = ["mode", "roofline_ms", "roofline_vs_today", "bytes_vs_today", "temp_GiB"]
         print(_table(result["train_step"], keys))
+    elif args.no_costs:
+        print("\nH100 cost model: not run (--no-costs)")
     else:
         print("\nH100 cost model skipped:", result.get("step_skipped"))
+    if "convergence" in result:
+        print_convergence(result["convergence"])
+    print(f"\n{result['about']['seconds']} s")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 

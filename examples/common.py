@@ -44,22 +44,24 @@ PRECISIONS: dict[str, tuple[str, str]] = {
 
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16")
 
-# --optimizer-state: the optimizer's state in float32, or in bfloat16 rounded
-# stochastically ("bf16") or to nearest ("bf16-nearest") by `mpjax.low_precision_state`.
-OPTIMIZER_STATES = ("f32", "bf16", "bf16-nearest")
+# --optimizer-state: the optimizer's state in float32, or by `mpjax.low_precision_state`
+# in bfloat16 (rounded stochastically, "bf16", or to nearest, "bf16-nearest") or in 8 bits
+# (blockwise int8 codes, rounded to nearest, "int8", or stochastically, "int8-stochastic").
+OPTIMIZER_STATES = ("f32", "bf16", "bf16-nearest", "int8", "int8-stochastic")
 
 
 def optimizer_with_state(
     inner: optax.GradientTransformation, optimizer_state: str
 ) -> optax.GradientTransformation:
-    """`inner` with its state in float32 ("f32") or bfloat16 ("bf16": stochastic rounding).
+    """`inner` with its state in float32 ("f32"), bfloat16 ("bf16") or 8 bits ("int8").
 
     Args:
       inner: the optimizer.
       optimizer_state: one of `OPTIMIZER_STATES`.
 
     Returns:
-      `inner` itself for "f32", else `mpjax.low_precision_state(inner, jnp.bfloat16, ...)`.
+      `inner` itself for "f32", else `mpjax.low_precision_state(inner, dtype, ...)` with
+      `dtype` bfloat16 or int8.
     """
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(
@@ -68,8 +70,13 @@ def optimizer_with_state(
         )
     if optimizer_state == "f32":
         return inner
-    rounding = "nearest" if optimizer_state == "bf16-nearest" else "stochastic"
-    return mpjax.low_precision_state(inner, jnp.bfloat16, rounding=rounding)
+    dtype, rounding = {
+        "bf16": (jnp.bfloat16, "stochastic"),
+        "bf16-nearest": (jnp.bfloat16, "nearest"),
+        "int8": (jnp.int8, "nearest"),
+        "int8-stochastic": (jnp.int8, "stochastic"),
+    }[optimizer_state]
+    return mpjax.low_precision_state(inner, dtype, rounding=rounding)
 
 
 def _check_precision(name: str) -> None:

@@ -11,6 +11,11 @@ the module-level alternative, `mpjax.apply_policy`.
 Run from the repository root:
 
     python examples/train_char_lm.py                # fp32, bf16, fp16; table + results/char_lm.png
+    python examples/train_char_lm.py --precisions bf16 --optimizer-state bf16  # bf16 AdamW state
+
+`--param-dtype bf16` stores the params in bfloat16 (`loss_scaled` then keeps their float32
+master; `--master-weights remainder` keeps it as an int16 remainder: with bf16 state, 8
+bytes per param of training state).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ __all__ = [
     "CharLMConfig",
     "CharTransformer",
     "FP8_RECIPE",
+    "PARAM_DTYPES",
     "Corpus",
     "apply_precision",
     "load_corpus",
@@ -71,6 +77,9 @@ _LN2 = float(np.log(2.0))
 # (the top-level Dense) stays in bf16, as LM heads usually do.
 FP8 = "fp8"
 FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
+
+# --param-dtype: the dtype the params are stored (and trained) in.
+PARAM_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +101,13 @@ class CharLMConfig:
       initial_scale: initial dynamic loss scale (fp16 only).
       growth_interval: finite steps between loss-scale doublings (fp16 only).
       optimizer_state: "f32" (AdamW moments in float32), "bf16" (bfloat16, stochastic
-        rounding: `mpjax.low_precision_state`) or "bf16-nearest".
+        rounding: `mpjax.low_precision_state`), "bf16-nearest", "int8" (blockwise 8-bit codes,
+        nearest rounding) or "int8-stochastic".
       master_weights: `loss_scaled`'s `master_weights` ("auto" or "remainder"; the
         remainder applies to bfloat16-stored params).
+      param_dtype: how the params are stored: "f32", or "bf16" (initialised in float32,
+        then rounded to bfloat16; `loss_scaled` keeps their float32 master, whole or as a
+        remainder per `master_weights`).
     """
 
     precision: str = "fp16"
@@ -111,12 +124,18 @@ class CharLMConfig:
     growth_interval: int = 100
     optimizer_state: str = "f32"
     master_weights: str = "auto"
+    param_dtype: str = "f32"
 
     def __post_init__(self):
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(
                 f"CharLMConfig.optimizer_state={self.optimizer_state!r}; choose from "
                 f"{', '.join(OPTIMIZER_STATES)}"
+            )
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"CharLMConfig.param_dtype={self.param_dtype!r}; choose from "
+                f"{', '.join(PARAM_DTYPES)}"
             )
         if self.precision not in PRECISIONS and self.precision != FP8:
             raise ValueError(
@@ -287,6 +306,8 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
 
     def init(rng):
         params = model.init(rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+        dtype = PARAM_DTYPES[config.param_dtype]
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
         return params, tx.init(params)
 
     def step(carry, tokens, step_index):
@@ -435,13 +456,20 @@ def _parser() -> argparse.ArgumentParser:
         "--optimizer-state",
         choices=OPTIMIZER_STATES,
         default="f32",
-        help="AdamW moments in float32, or bfloat16 (stochastic or nearest rounding)",
+        help="AdamW moments in float32, bfloat16 (stochastic or nearest rounding) or 8 bits "
+        "(nearest or stochastic rounding)",
     )
     p.add_argument(
         "--master-weights",
         choices=("auto", "remainder"),
         default="auto",
         help="loss_scaled's master weights (remainder: bf16-stored params only)",
+    )
+    p.add_argument(
+        "--param-dtype",
+        choices=tuple(PARAM_DTYPES),
+        default=d.param_dtype,
+        help="how the params are stored (bf16: loss_scaled keeps a float32 master)",
     )
     return p
 
@@ -459,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         num_heads=args.heads,
         optimizer_state=args.optimizer_state,
         master_weights=args.master_weights,
+        param_dtype=args.param_dtype,
         **run_kwargs(args),
     )
     print()

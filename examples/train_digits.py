@@ -84,7 +84,8 @@ class DigitsConfig:
       initial_scale: initial dynamic loss scale (fp16 only).
       growth_interval: finite steps between loss-scale doublings (fp16 only).
       optimizer_state: "f32" (AdamW moments in float32), "bf16" (bfloat16, stochastic
-        rounding: `mpjax.low_precision_state`) or "bf16-nearest". The params are stored
+        rounding: `mpjax.low_precision_state`), "bf16-nearest", "int8" (blockwise 8-bit
+        codes, nearest rounding) or "int8-stochastic". The params are stored
         in float32 under every precision, so `loss_scaled` keeps no master copy.
     """
 
@@ -443,7 +444,8 @@ def _parser() -> argparse.ArgumentParser:
         "--optimizer-state",
         choices=OPTIMIZER_STATES,
         default="f32",
-        help="AdamW moments in float32, or bfloat16 (stochastic or nearest rounding); the "
+        help="AdamW moments in float32, bfloat16 (stochastic or nearest rounding) or 8 bits "
+        "(nearest or stochastic rounding); the "
         "params are float32 under every precision, so there is no --master-weights",
     )
     return p

@@ -6,6 +6,7 @@ from mpjax._src.flax.model_state import (
     restore_if_skipped,
     snapshot_state,
 )
+from mpjax._src.scaling.blockwise8 import Blockwise8
 from mpjax._src.scaling.config import default_max_consecutive_skips, loss_scale_for
 from mpjax._src.scaling.diagnostics import NonfiniteReport, TrainingDivergedError, nonfinite_report
 from mpjax._src.scaling.loss_scale import (
@@ -30,6 +31,7 @@ from mpjax._src.scaling.state_helpers import (
 )
 
 __all__ = [
+    "Blockwise8",
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",

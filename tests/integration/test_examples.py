@@ -224,6 +224,28 @@ def test_char_lm_experiment_writes_table_and_png(corpus, tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("master_weights", ["auto", "remainder"])
+def test_char_lm_param_dtype_flag_stores_bf16_params_and_their_master(
+    master_weights, corpus, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(train_char_lm, "load_corpus", lambda max_bytes: corpus)
+    argv = ["--precisions", "bf16", "--steps", "30", "--batch-size", "16", "--seq-len", "32"]
+    argv += ["--d-model", "32", "--layers", "1", "--heads", "2", "--no-progress"]
+    argv += ["--png", str(tmp_path / "lm.png"), "--param-dtype", "bf16"]
+    (run,) = train_char_lm.main([*argv, "--master-weights", master_weights])
+    assert {p.dtype for p in jax.tree.leaves(run.params)} == {jnp.dtype(jnp.bfloat16)}
+    master = jax.tree.leaves(run.opt_state.master)
+    assert len(master) == len(jax.tree.leaves(run.params))
+    want = jnp.int16 if master_weights == "remainder" else jnp.float32
+    assert {m.dtype for m in master} == {jnp.dtype(want)}
+    assert _decreased(run.history["loss"], 0.75), run.history["loss"]
+
+
+def test_char_lm_config_rejects_bad_param_dtype():
+    with pytest.raises(ValueError, match="param_dtype"):
+        train_char_lm.CharLMConfig(param_dtype="fp16")
+
+
 # --- underflow ----------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax._src.scaling.low_precision import stochastic_round
+from mpjax._src.scaling.master import rounded
 from mpjax._src.scaling.remainder import join_master, split_master
 
 STEPS = 120
@@ -157,6 +158,34 @@ def test_remainder_master_is_bit_identical_to_float32_master(inner, jit):
     rem = mpjax.find_loss_scaled_state(srem).master
     assert rem["w"].dtype == jnp.int16 and rem["b"].dtype == jnp.int16
     assert isinstance(rem["f32"], optax.MaskedNode)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_float32_master_rounds_bf16_params_like_the_remainder_on_exact_ties(jit):
+    """Both modes give the same bf16 params on ties, so they train bit for bit alike."""
+    # sgd(1.0) moves each master by 2^-8, half a bf16 ulp at 1: exact ties, top half even
+    # (+1 and -1: ties away from zero, where nearest-even would keep +-1) and odd.
+    params = {"w": jnp.asarray([1.0, -1.0, 1.0078125], jnp.bfloat16)}
+    grads = {"w": jnp.asarray([-(2.0**-8), 2.0**-8, -(2.0**-8)], jnp.bfloat16)}
+    got = {}
+    for mode in ("auto", "remainder"):
+        tx = mpjax.loss_scaled(optax.sgd(1.0), mpjax.NoOpLossScale(), master_weights=mode)
+        step = jax.jit(_apply, static_argnums=0) if jit else _apply
+        new, state = step(tx, params, tx.init(params), grads)
+        got[mode] = (new, mpjax.master_params(state, new))
+    masters = np.array([1 + 2.0**-8, -(1 + 2.0**-8), 1.0078125 + 2.0**-8], np.float32)
+    np.testing.assert_array_equal(np.asarray(got["auto"][1]["w"]), masters)
+    want = np.array([1.0078125, -1.0078125, 1.015625], np.float32)
+    np.testing.assert_array_equal(np.asarray(got["auto"][0]["w"], np.float32), want)
+    _assert_bits_equal(got["auto"], got["remainder"])
+
+
+def test_float32_master_keeps_a_nan_master_a_nan_param():
+    # Top half 0x7FFF with a low half >= 0x8000: rounding up by bits would carry into -0.0.
+    nan = jnp.asarray(np.array([0x7FFFFFFF], np.uint32).view(np.float32))
+    master = jnp.zeros((1,), jnp.float32)
+    param = rounded(jnp.zeros((1,), jnp.bfloat16), master, nan)
+    assert param.dtype == jnp.bfloat16 and bool(jnp.isnan(param).all())
 
 
 def test_remainder_skips_keep_params_and_remainders_bit_identical():
@@ -346,4 +375,4 @@ def test_low_precision_state_bad_arguments_name_the_culprit():
     with pytest.raises(ValueError, match="bfloat16"):
         mpjax.low_precision_state(optax.adam(1e-3), dtype=jnp.float16)
     with pytest.raises(TypeError, match="floating"):
-        mpjax.low_precision_state(optax.adam(1e-3), dtype=jnp.int8, rounding="nearest")
+        mpjax.low_precision_state(optax.adam(1e-3), dtype=jnp.int16, rounding="nearest")

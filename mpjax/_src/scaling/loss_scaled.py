@@ -324,9 +324,9 @@ def loss_scaled(
         precision params are then widened to float32 for each update and rounded back).
         "remainder" is "auto" with the master of each bfloat16 param kept as the low 16
         bits of the float32 master (an int16 remainder, 2 bytes instead of 4): the master
-        rebuilt from the param and its remainder is bit-identical to "auto"'s, and the
-        param is that master rounded to nearest (ties away from zero; see
-        `mpjax.master_params`).
+        rebuilt from the param and its remainder is bit-identical to "auto"'s. In both
+        modes a bfloat16 param is its float32 master rounded to nearest, ties away from
+        zero, so they train bit for bit alike (see `mpjax.master_params`).
       axis_name: a mapped axis name (pmap, shard_map) over which the finiteness decision
         is combined. The gradients themselves are not averaged here.
       unscale_and_check: a function `(grads, loss_scale) -> (unscaled, all_finite)`

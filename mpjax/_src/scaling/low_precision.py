@@ -1,9 +1,10 @@
-"""`low_precision_state`: any optax optimizer's state stored in bfloat16 (or another dtype).
+"""`low_precision_state`: any optax optimizer's state stored in bfloat16, int8 or another dtype.
 
 Each update widens the stored state to the dtypes the inner optimizer made it in (float32),
 runs the inner update there, and rounds the new state back: to nearest, or stochastically
 (unbiased: `E[round(x)] == x`), so that increments below half a bfloat16 ulp (Adam's second
-moment decaying by 0.999 a step) are kept on average instead of lost.
+moment decaying by 0.999 a step) are kept on average instead of lost. With `jnp.int8`
+each floating leaf is stored as blockwise-scaled 8-bit codes (`blockwise8.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from mpjax._src.core.dtypes import is_floating as _is_floating
+from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
 
 __all__ = ["LowPrecisionState", "low_precision_state", "stochastic_round"]
 
@@ -99,8 +101,10 @@ def _narrows(x: Any, dtype: jnp.dtype) -> bool:
 def low_precision_state(
     inner: optax.GradientTransformation,
     dtype: Any = jnp.bfloat16,
-    rounding: str = "stochastic",
+    rounding: str | None = None,
     seed: int = 0,
+    *,
+    block_size: int = 256,
 ) -> optax.GradientTransformationExtraArgs:
     """Stores `inner`'s floating state in `dtype`; each update runs in float32 and rounds back.
 
@@ -111,13 +115,23 @@ def low_precision_state(
     `mpjax.loss_scaled`: a skipped step then leaves this state (and its count)
     bit-identical.
 
+    With `dtype=jnp.int8` each such leaf becomes a `Blockwise8`: int8 codes shaped like the
+    leaf and one float32 scale per `block_size` elements (the block's absolute maximum),
+    the codes indexing a codebook of magnitudes from 1e-6 to 1 of the scale, dense near
+    the top (8-bit Adam: 1 + 4 / block_size bytes per moment element instead of 2 or 4).
+
     Args:
       inner: the optax transformation whose state to store narrow.
-      dtype: the storage dtype of the floating state (default bfloat16).
-      rounding: "stochastic" (default; bfloat16 only): unbiased stochastic rounding keyed
-        from `seed` and the update count, so a run resumed from a checkpoint is bitwise
-        identical; "nearest": round to nearest even.
+      dtype: the storage dtype of the floating state: bfloat16 (default), int8
+        (blockwise-scaled 8-bit codes) or another floating dtype.
+      rounding: "stochastic" (bfloat16 and int8): unbiased stochastic rounding keyed from
+        `seed` and the update count, so a run resumed from a checkpoint is bitwise
+        identical; "nearest": round to the nearest value (ties to even for floating
+        dtypes). None (default): "nearest" for int8, else "stochastic". (Between int8
+        codes a decade apart, stochastic rounding of Adam's second moment is unbiased but
+        1 / sqrt of it is not: measured, it converges worse than nearest.)
       seed: an int seeding the stochastic rounding.
+      block_size: elements per float32 scale with `dtype=jnp.int8`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`.
@@ -131,18 +145,23 @@ def low_precision_state(
       dtype(bfloat16)
       >>> updates, state = tx.update({"w": jnp.ones((3,))}, state, params)
     """
+    if rounding is None:
+        rounding = "nearest" if jnp.dtype(dtype) == jnp.int8 else "stochastic"
     if rounding not in _ROUNDINGS:
         raise ValueError(
             f"low_precision_state: rounding must be one of {_ROUNDINGS}, got {rounding!r}"
         )
     dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"low_precision_state: dtype must be a floating dtype, got {dtype}")
-    if rounding == "stochastic" and dtype != jnp.bfloat16:
+    int8 = dtype == jnp.int8
+    if not (int8 or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(f"low_precision_state: dtype must be a floating dtype or int8, got {dtype}")
+    if rounding == "stochastic" and dtype not in (jnp.bfloat16, jnp.int8):
         raise ValueError(
-            f"low_precision_state: stochastic rounding is implemented for bfloat16, got "
-            f"dtype={dtype}; use rounding='nearest'"
+            f"low_precision_state: stochastic rounding is implemented for bfloat16 and int8, "
+            f"got dtype={dtype}; use rounding='nearest'"
         )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"low_precision_state: block_size must be an int >= 1, got {block_size!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"low_precision_state: seed must be an int, got {type(seed).__name__}")
     inner = optax.with_extra_args_support(inner)
@@ -153,16 +172,25 @@ def low_precision_state(
         for i, x in enumerate(leaves):
             if not _narrows(x, dtype):
                 out.append(x)
+            elif int8:
+                key = None if rounding == "nearest" else _leaf_seed(seed, count, i)
+                out.append(quantize(x, block_size, key))
             elif rounding == "nearest":
                 out.append(x.astype(dtype))
             else:
                 out.append(stochastic_round(x.astype(jnp.float32), _leaf_seed(seed, count, i)))
         return jax.tree.unflatten(treedef, out)
 
+    def widen_leaf(x, r):
+        if isinstance(x, Blockwise8):
+            return dequantize(x, r.shape, block_size).astype(r.dtype)
+        return x.astype(r.dtype) if _narrows(r, dtype) else x
+
     def widen(tree, reference):
-        return jax.tree.map(
-            lambda x, r: x.astype(r.dtype) if _narrows(r, dtype) else x, tree, reference
-        )
+        ref_leaves, treedef = jax.tree.flatten(reference)
+        leaves = treedef.flatten_up_to(tree)  # a `Blockwise8` stays one leaf here
+        pairs = zip(leaves, ref_leaves, strict=True)
+        return treedef.unflatten([widen_leaf(x, r) for x, r in pairs])
 
     def init_fn(params):
         count = jnp.zeros((), jnp.int32)

@@ -69,8 +69,20 @@ def view(params: Any, master: Any) -> Any:
 
 
 def rounded(p: Any, m: Any, value: jax.Array) -> jax.Array:
-    """A new wide value rounded to the param's dtype (the remainder's rule for remainders)."""
-    return split_master(value)[0] if _is_remainder(m) else value.astype(p.dtype)
+    """A new wide value rounded to the param's dtype.
+
+    A bfloat16 param with a float32 master, kept whole or as a remainder, is rounded by the
+    remainder's rule (nearest, ties away from zero), so the two modes give the same params
+    bit for bit, hence the same training. A NaN master keeps a NaN param (the remainder's
+    split may carry a NaN's top half into a zero; its join restores the NaN master).
+    Other params are rounded to nearest even.
+    """
+    if _is_remainder(m):
+        return split_master(value)[0]
+    cast = value.astype(p.dtype)
+    if _is_masked(m) or p.dtype != jnp.bfloat16 or value.dtype != jnp.float32:
+        return cast
+    return jnp.where(jnp.isnan(value), cast, split_master(value)[0])
 
 
 def next_master(ok: jax.Array, m: Any, value: jax.Array) -> Any:

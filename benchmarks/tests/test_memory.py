@@ -1,0 +1,150 @@
+"""`benchmarks/memory.py`: one command writes the bytes, cost-model and convergence tables.
+
+The convergence part runs here in `--quick` form (small models, short runs): its structure,
+the bytes per parameter of each mode's trained state, and that the char-LM with a float32
+master and with `master_weights="remainder"` train bit for bit alike (seed 0).
+No timings are asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import memory, memory_convergence
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "docs"))
+
+from memory_tables import SECTIONS, write_memory_tables  # noqa: E402
+
+# Bytes per param of each mode's state: scalar counters add < 0.05; int8 state adds a
+# float32 scale per block of up to 256 elements of each leaf (more on small leaves).
+CHAR_LM_BYTES = {
+    "float32 state": 12,  # f32 params, f32 mu and nu, no master
+    "bf16 state, stochastic": 8,
+    "bf16 state, nearest": 8,
+    "bf16 params + float32 master": 14,
+    "bf16 params + remainder": 12,
+    "bf16 params + remainder + bf16 state, stochastic": 8,
+    "int8 state": 6,  # f32 params, 8-bit mu and nu (+ a float32 scale per 256)
+    "int8 state, stochastic": 6,
+    "bf16 params + remainder + int8 state": 6,
+}
+DIGITS_BYTES = {
+    "float32 state": 12,
+    "bf16 state, stochastic": 8,
+    "bf16 state, nearest": 8,
+    "int8 state": 6,
+}
+
+
+def _slack(mode: str) -> float:
+    return 0.5 if "int8" in mode else 0.05
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    path = tmp_path_factory.mktemp("memory") / "memory.json"
+    argv = ["--quick", "--no-costs", "--char-lm-seeds", "1", "--digits-seeds", "2"]
+    argv += ["--json", str(path)]
+    returned = memory.main(argv)
+    return returned, json.loads(path.read_text()), path
+
+
+def test_quick_command_writes_state_and_convergence(quick):
+    returned, result, path = quick
+    assert result == json.loads(json.dumps(returned))
+    assert result["size"] == "quick" and "step" not in result
+    assert {r["mode"] for r in result["state"]} == set(memory.MODES)
+    about = result["about"]
+    want = "python benchmarks/memory.py --quick --no-costs --char-lm-seeds 1 --digits-seeds 2"
+    assert about["command"] == want
+    assert not re.search(r"(?<![\w.])/[A-Za-z]", json.dumps(result))  # no absolute paths
+
+    lm = result["convergence"]["char_lm"]
+    assert [r["mode"] for r in lm["rows"]] == list(memory_convergence.CHAR_LM_MODES)
+    assert lm["steps"] == memory_convergence.QUICK_CHAR_LM["steps"] and lm["seeds"] == 1
+    for r in lm["rows"]:
+        assert r["bytes_per_param"] == pytest.approx(
+            CHAR_LM_BYTES[r["mode"]], abs=_slack(r["mode"])
+        )
+        assert 0.0 < r["val_bits_per_byte"] < 8.0
+        assert r["vs_float32_state_pct"] == pytest.approx(
+            100 * (r["val_bits_per_byte"] / lm["rows"][0]["val_bits_per_byte"] - 1)
+        )
+    assert lm["rows"][0]["vs_float32_state_pct"] == 0.0
+
+    d = result["convergence"]["digits"]
+    assert [r["mode"] for r in d["rows"]] == list(memory_convergence.DIGITS_MODES)
+    assert d["seeds"] == 2 and d["test_images"] > 0
+    for r in d["rows"]:
+        assert r["bytes_per_param"] == pytest.approx(DIGITS_BYTES[r["mode"]], abs=_slack(r["mode"]))
+        assert len(r["accuracies"]) == 2 and all(0 <= a <= 100 for a in r["accuracies"])
+        ref = d["rows"][0]["accuracy_mean"]
+        assert r["vs_float32_state_pp"] == pytest.approx(r["accuracy_mean"] - ref)
+
+
+def test_remainder_trains_bit_for_bit_like_the_float32_master(quick):
+    """Seed 0 of the quick char-LM: every loss, the metric and the masters bit for bit.
+
+    Deterministic for a given XLA build. Not a law of every build: the two train steps are
+    different programs, and XLA may contract a multiply-add into an FMA in one and not the
+    other (seed 1 of this configuration has one master element 1 ulp apart after step 3
+    on XLA:CPU with AVX2; none with `--xla_cpu_max_isa=SSE4_2`). `tests/scaling/test_memory.py`
+    checks the update itself bit for bit, fed the same gradients.
+    """
+    lm = quick[1]["convergence"]["char_lm"]
+    check = lm["bit_identical"]
+    assert check["pair"] == list(memory_convergence.IDENTICAL_PAIR)
+    assert check["losses"] and check["metric"] and check["masters"]
+    rows = {r["mode"]: r for r in lm["rows"]}
+    a, b = (rows[name] for name in memory_convergence.IDENTICAL_PAIR)
+    assert a["per_seed"] == b["per_seed"]
+
+
+def test_bit_identical_tells_runs_apart(quick):
+    """The check itself fails on runs that differ (so its True above means something)."""
+    from examples.train_char_lm import CharLMConfig, load_corpus, train
+
+    corpus = load_corpus(200_000)
+    config = CharLMConfig(precision="bf16", param_dtype="bf16", **memory_convergence.QUICK_CHAR_LM)
+    a, b = train(config, 0, corpus=corpus), train(config, 1, corpus=corpus)
+    same = memory_convergence.bit_identical(a, a)
+    assert same == {"losses": True, "metric": True, "masters": True, "differing_master_elements": 0}
+    other = memory_convergence.bit_identical(a, b)
+    assert not (other["losses"] or other["metric"] or other["masters"])
+    assert other["differing_master_elements"] > 0
+
+
+def test_docs_tables_generate_from_the_json(quick, tmp_path):
+    paths = write_memory_tables(quick[2], tmp_path)
+    assert [p.stem for p in paths] == list(SECTIONS)
+    text = {p.stem: p.read_text() for p in paths}
+    assert "Not measured in this run" in text["memory_step"]
+    assert "bit for bit identical" in text["memory_char_lm"]
+    assert text["memory_char_lm"].count("\n|") == 1 + len(memory_convergence.CHAR_LM_MODES)
+    assert text["memory_digits"].count("\n|") == 1 + len(memory_convergence.DIGITS_MODES)
+
+
+def test_committed_results_are_one_full_run():
+    """benchmarks/memory_results.json (the docs' source) is a full run of every section."""
+    result = json.loads((ROOT / "benchmarks" / "memory_results.json").read_text())
+    assert result["size"] == "gpt2"
+    assert result["about"]["command"].startswith("python benchmarks/memory.py")
+    assert "--quick" not in result["about"]["command"]
+    assert {r["mode"] for r in result["step"]} == set(memory.MODES)
+    assert {r["mode"] for r in result["train_step"]} == set(memory.MODES)
+    lm = result["convergence"]["char_lm"]
+    assert lm["steps"] == 500
+    check = lm["bit_identical"]
+    assert len(check["per_seed"]) == lm["seeds"] >= 1
+    for r in lm["rows"]:
+        assert r["bytes_per_param"] == pytest.approx(
+            CHAR_LM_BYTES[r["mode"]], abs=_slack(r["mode"])
+        )
+    assert not re.search(r"(?<![\w.])/[A-Za-z]", json.dumps(result))  # no absolute paths
