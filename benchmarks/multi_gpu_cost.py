@@ -107,6 +107,29 @@ def _scaled(module_fn, loss_scale=None, **kw):
     return _lm_with(module_fn, tx=mpjax.loss_scaled(_adamw(), loss_scale, **kw), scaled=True)
 
 
+BF16_PARAMS = "params=bfloat16,compute=bfloat16,output=float32"
+
+
+def _bf16_params(master_weights: str):
+    """bf16-stored params (policy `param_dtype=bfloat16`) with `loss_scaled`'s master.
+
+    `master_weights="auto"`: a float32 master per param; `"remainder"`: its low 16 bits.
+    """
+
+    def build(cfg):
+        tx = mpjax.loss_scaled(_adamw(), mpjax.NoOpLossScale(), master_weights=master_weights)
+        model = lambda c: mpjax.apply_policy(_lm(c), BF16_PARAMS)  # noqa: E731
+        program = _lm_with(model, tx=tx, scaled=True)(cfg)
+
+        def init(key):
+            params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), program.init(key)[0])
+            return params, tx.init(params)
+
+        return program._replace(init=init)
+
+    return build
+
+
 VARIANTS = {
     "bf16": LM_VARIANTS["bf16"],
     "policy-noop-scaled": _scaled(
@@ -114,6 +137,8 @@ VARIANTS = {
     ),
     "fp16-scaled": LM_VARIANTS["fp16-scaled"],
     "fp16-scaled-pallas": _scaled(lambda c: mpjax.apply_policy(_lm(c), FP16), impl="pallas"),
+    "bf16-params-master": _bf16_params("auto"),
+    "bf16-params-remainder": _bf16_params("remainder"),
     "fp8-delayed": FP8_VARIANTS["fp8-delayed"],
     "fp8-tensorwise": FP8_VARIANTS["fp8-tensorwise"],
 }
