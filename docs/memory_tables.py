@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from performance_tables import markdown_table
+from performance_tables import markdown_table, write_pages
 
 _STATE_NAMES = {
     "f32": "float32",
@@ -200,14 +200,7 @@ def write_memory_tables(results_json: Path, out_dir: Path) -> list[Path]:
     result = json.loads(Path(results_json).read_text())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, section in SECTIONS.items():
-        path = out_dir / f"{name}.md"
-        text = section(result)
-        if not path.exists() or path.read_text() != text:  # keep mtimes: no needless rebuilds
-            path.write_text(text)
-        paths.append(path)
-    return paths
+    return write_pages(out_dir, {name: section(result) for name, section in SECTIONS.items()})
 
 
 if __name__ == "__main__":

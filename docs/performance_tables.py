@@ -69,9 +69,14 @@ def write_performance_tables(results_json: Path, out_dir: Path) -> list[Path]:
     written = {"machine": machine_section(results)}
     for name, record in results["benchmarks"].items():
         written[name] = benchmark_section(name, record)
+    return write_pages(out_dir, written)
+
+
+def write_pages(out_dir: Path, pages: dict[str, str]) -> list[Path]:
+    """Writes `<name>.md` for each page whose text changed (keeping mtimes); returns the paths."""
     paths = []
-    for name, text in written.items():
-        path = out_dir / f"{name}.md"
+    for name, text in pages.items():
+        path = Path(out_dir) / f"{name}.md"
         if not path.exists() or path.read_text() != text:  # keep mtimes: no needless rebuilds
             path.write_text(text)
         paths.append(path)

@@ -323,8 +323,17 @@ def test_low_precision_state_stores_bf16_and_trains(name, rounding):
     assert loss < 0.5 * start and abs(loss - f32_loss) <= 0.1 * start
 
 
-def test_low_precision_state_resume_is_bitwise_identical():
-    tx = mpjax.low_precision_state(optax.adamw(1e-2), seed=3)
+RESUMED_STATES = {
+    "bfloat16": lambda: mpjax.low_precision_state(optax.adamw(1e-2), seed=3),
+    "int8": lambda: mpjax.low_precision_state(
+        optax.adamw(1e-2), jnp.int8, "stochastic", seed=3, block_size=32
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(RESUMED_STATES))
+def test_low_precision_state_resume_is_bitwise_identical(dtype):
+    tx = RESUMED_STATES[dtype]()
     _, state20 = _quadratic_run(tx, steps=20)
     params = {"w": jnp.zeros((16, 8))}
     # run 10, checkpoint, restore into a fresh state, run 10 more
