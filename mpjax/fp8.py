@@ -2,6 +2,14 @@
 
 from mpjax._src.autocast.fp8_report import Fp8Op, fp8_ops
 from mpjax._src.flax.fp8_nnx import Fp8Meta, update_nnx_fp8_meta
+from mpjax._src.fp8.block_dot import block_scaled_dot_general, random_hadamard
+from mpjax._src.fp8.blocks import (
+    BLOCK_SCALINGS,
+    BlockQuantized,
+    block_shape,
+    dequantize_blocks,
+    quantize_blocks,
+)
 from mpjax._src.fp8.conv import fp8_conv_1x1
 from mpjax._src.fp8.delayed import FP8_META, delayed_fp8_dot_general, init_fp8_meta, update_fp8_meta
 from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
@@ -9,6 +17,8 @@ from mpjax._src.fp8.quant import amax, compute_scale, dequantize, fp8_max, quant
 from mpjax._src.fp8.recipe import FP8_DTYPES, Fp8Recipe, Fp8Site
 
 __all__ = [
+    "BLOCK_SCALINGS",
+    "BlockQuantized",
     "FP8_DTYPES",
     "FP8_META",
     "Fp8Meta",
@@ -16,8 +26,11 @@ __all__ = [
     "Fp8Recipe",
     "Fp8Site",
     "amax",
+    "block_scaled_dot_general",
+    "block_shape",
     "compute_scale",
     "delayed_fp8_dot_general",
+    "dequantize_blocks",
     "dequantize",
     "fp8_conv_1x1",
     "fp8_dot_general",
@@ -26,6 +39,8 @@ __all__ = [
     "fp8_ops",
     "init_fp8_meta",
     "quantize",
+    "quantize_blocks",
+    "random_hadamard",
     "update_fp8_meta",
     "update_nnx_fp8_meta",
 ]

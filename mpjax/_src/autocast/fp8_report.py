@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
+from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.conv import conv_gemm_site, gemm_reason
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
@@ -28,6 +29,10 @@ class Fp8Op(NamedTuple):
       rhs_shape: the right operand's (kernel's) shape.
       fp8: whether it runs as an fp8 GEMM (forward and both gradients).
       reason: why it keeps the compute dtype (empty when `fp8`).
+      lowering: how an fp8 op's GEMMs run: `"fp8"` (fp8 tensor-core GEMMs), or for the
+        block-scaled recipes `"emulated <scaling>"` (operands quantised per block and
+        dequantised to the compute dtype: the numbers of the format at the compute dtype's
+        speed); empty when not `fp8`.
     """
 
     name: str
@@ -36,6 +41,13 @@ class Fp8Op(NamedTuple):
     rhs_shape: tuple[int, ...]
     fp8: bool
     reason: str
+    lowering: str = ""
+
+
+def _lowering(recipe: Fp8Recipe, reason: str) -> str:
+    if reason:
+        return ""
+    return f"emulated {recipe.scaling}" if recipe.scaling in BLOCK_SCALINGS else "fp8"
 
 
 def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:
@@ -52,7 +64,7 @@ def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:
                 reason = gemm_reason(recipe, Fp8Site(name, lhs, rhs, dims)) or ""
             else:
                 reason = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)[1] or ""
-            found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason))
+            found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason, _lowering(recipe, reason)))
         if prim not in _OWN_RULES:
             for sub in jaxprs_in_params(eqn.params):
                 _walk(sub, recipe, found)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax._src.fp8.dot import grad_lhs_layout, grad_rhs_layout, scaled_gemm
+from mpjax._src.fp8.dot import scaled_gemm
+from mpjax._src.fp8.layouts import grad_lhs_layout, grad_rhs_layout
 from mpjax._src.fp8.quant import compute_scale, fp8_max, quantize
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax._src.fp8.block_dot import block_scaled_dot_general
+from mpjax._src.fp8.blocks import BLOCK_SCALINGS
+from mpjax._src.fp8.layouts import free_axes, grad_lhs_layout, grad_rhs_layout
 from mpjax._src.fp8.quant import amax, compute_scale, quantize
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
@@ -25,8 +28,7 @@ __all__ = ["fp8_dot_general", "fp8_eligible"]
 _F32 = jnp.float32
 
 
-def _free(ndim: int, contract, batch) -> list[int]:
-    return [i for i in range(ndim) if i not in contract and i not in batch]
+_free = free_axes
 
 
 def fp8_eligible(recipe: Fp8Recipe, site: Fp8Site) -> bool:
@@ -85,40 +87,6 @@ def scaled_gemm(qa, sa, qb, sb, dims, out_dtype):
     return (out.astype(_F32) * (inv_a * inv_b)).astype(out_dtype)
 
 
-def grad_lhs_layout(dims, x_ndim, y_ndim):
-    """Dimension numbers of `g . y` giving d/dx of `dot_general(x, y)` and the transpose after.
-
-    The transpose rule of `dot_general` (as in JAX): contract the cotangent's y-free axes
-    with y's free axes, then permute the result into x's axis order.
-    """
-    (xc, yc), (xb, yb) = dims
-    x_kept, y_kept = _free(x_ndim, xc, xb), _free(y_ndim, yc, yb)
-    nb = len(xb)
-    start = nb + len(x_kept)
-    ans_y = tuple(range(start, start + len(y_kept)))
-    gdims = ((ans_y, tuple(y_kept)), (tuple(range(nb)), tuple(yb)))
-    x_contract_by_y = [xc[i] for i in np.argsort(yc)]
-    out_axes = tuple(int(i) for i in np.argsort(list(xb) + x_kept + x_contract_by_y))
-    return gdims, out_axes
-
-
-def grad_rhs_layout(dims, x_ndim, y_ndim):
-    """Dimension numbers of `x . g` giving d/dy of `dot_general(x, y)` and the transpose after.
-
-    `x` comes first so that a weight gradient leaves the GEMM in the weight's own axis
-    order (for `x @ w`: `x^T g` is `[K, N]`, no transpose), which keeps XLA from copying
-    the optimizer's outputs into the parameters' layout.
-    """
-    (xc, yc), (xb, yb) = dims
-    x_kept, y_kept = _free(x_ndim, xc, xb), _free(y_ndim, yc, yb)
-    nb = len(xb)
-    ans_x = tuple(range(nb, nb + len(x_kept)))
-    gdims = ((tuple(x_kept), ans_x), (tuple(xb), tuple(range(nb))))
-    y_contract_by_x = [yc[i] for i in np.argsort(xc)]
-    out_axes = tuple(int(i) for i in np.argsort(list(yb) + y_contract_by_x + y_kept))
-    return gdims, out_axes
-
-
 def fp8_dot_general(
     lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtype: Any, lhs_quant=None
 ):
@@ -136,7 +104,8 @@ def fp8_dot_general(
       lhs: left operand (activations).
       rhs: right operand (weights).
       dimension_numbers: `dot_general` dimension numbers.
-      recipe: an `Fp8Recipe` with `"tensorwise"` or `"rowwise"` scaling.
+      recipe: an `Fp8Recipe` with `"tensorwise"` or `"rowwise"` scaling, or a block-scaled
+        one (`"mxfp8"`, `"nvfp4"`, `"blockwise"`: see `block_scaled_dot_general`).
       compute_dtype: the output dtype of every GEMM.
       lhs_quant: optionally, `lhs` recomputed (in float32) for the forward quantisation;
         the scale still comes from `lhs`'s amax and no gradient flows into it.
@@ -152,6 +121,8 @@ def fp8_dot_general(
       >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())), Fp8Recipe(), jnp.bfloat16).dtype
       dtype(bfloat16)
     """
+    if recipe.scaling in BLOCK_SCALINGS:
+        return block_scaled_dot_general(lhs, rhs, dimension_numbers, recipe, compute_dtype)
     if recipe.scaling not in ("tensorwise", "rowwise"):
         raise ValueError(
             f"fp8_dot_general: scaling={recipe.scaling!r} needs per-tensor state; use "

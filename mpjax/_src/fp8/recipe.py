@@ -14,7 +14,7 @@ __all__ = ["FP8_DTYPES", "Fp8Recipe", "Fp8Site"]
 
 # The two OCP float8 formats Hopper tensor cores multiply (e4m3fn: max 448; e5m2: max 57344).
 FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-_SCALINGS = ("tensorwise", "rowwise", "delayed")
+_SCALINGS = ("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4", "blockwise")
 _AMAX_COMPUTE = ("max", "most_recent")
 _CONVS = ("none", "1x1")
 

@@ -1,0 +1,276 @@
+"""Block-scaled quantisation: MXFP8, NVFP4 and DeepSeek-V3's blockwise fp8, with their scales.
+
+Each recipe splits a tensor into blocks along the GEMM's contraction axis (and, for 2-D weight
+blocks, along the other axis too) and gives every block its own scale, so an outlier only
+costs precision inside its block:
+
+- `"mxfp8"` (OCP Microscaling v1.0, NVIDIA's round-up convention): blocks of 32 along the
+  contraction axis for every role; the scale is the smallest power of two `2**k` (stored as
+  `float8_e8m0fnu`, `k` in [-127, 127]) with `amax / 2**k <= 448`, so nothing saturates;
+  elements `float8_e4m3fn`, round to nearest even.
+- `"nvfp4"` (NVIDIA's NVFP4 recipe): a float32 per-tensor scale `t = 448 * 6 / amax(x)`;
+  blocks of 16 along the contraction axis (16x16 for weights); each block's scale
+  `e4m3(amax_b / 6 * t)` (round to nearest even, at most 448); elements
+  `float4_e2m1fn(x * t / scale_b)` saturated to +-6, round to nearest even, or stochastically
+  when a `key` is given (NVIDIA rounds gradients stochastically).
+- `"blockwise"` (DeepSeek-V3): 1x128 tiles along the contraction axis for activations and
+  gradients, 128x128 blocks for weights; float32 scales `amax_b / 448` (rounded up to a power
+  of two with `power_of_two_scale=True`); elements `float8_e4m3fn` saturated to +-448.
+
+Dequantisation is `data * scale_b` (divided by `t` for NVFP4). Special values: a block
+holding inf or NaN gets a NaN scale, so its whole block dequantises to NaN (OCP: a NaN shared
+scale); for NVFP4 the per-tensor scale is NaN then, so the whole tensor does. An all-zero
+block gets the smallest scale (`2**-127` for MXFP8; 1 for blockwise; its NVFP4 scale is 0)
+and zero elements. A trailing partial block is scaled by the amax of the elements it has.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax._src.core.dataclass import field, pytree_dataclass
+
+__all__ = [
+    "BLOCK_SCALINGS",
+    "BlockQuantized",
+    "block_shape",
+    "dequantize_blocks",
+    "quantize_blocks",
+]
+
+BLOCK_SCALINGS = ("mxfp8", "nvfp4", "blockwise")
+_ROLES = ("activation", "weight", "gradient")
+_F32 = jnp.float32
+_E4M3_MAX = 448.0
+_E2M1_MAX = 6.0
+# (block along the contraction axis, block along the other axis of a 2-D weight)
+_BLOCKS = {"mxfp8": (32, 1), "nvfp4": (16, 16), "blockwise": (128, 128)}
+
+
+@pytree_dataclass
+class BlockQuantized:
+    """A block-quantised tensor: elements, one scale per block, and NVFP4's tensor scale.
+
+    Attributes:
+      data: the elements, the input's shape, in `float8_e4m3fn` (MXFP8, blockwise) or
+        `float4_e2m1fn` (NVFP4).
+      scales: one scale per block, the input's shape with each blocked axis divided by its
+        block size (rounded up): `float8_e8m0fnu` (MXFP8), `float8_e4m3fn` (NVFP4) or
+        float32 (blockwise).
+      tensor_scale: NVFP4's float32 per-tensor scale `448 * 6 / amax`; None otherwise.
+      block: the block size along each axis of `data` (1 where an axis is not blocked).
+    """
+
+    data: jax.Array
+    scales: jax.Array
+    tensor_scale: jax.Array | None
+    block: tuple[int, ...] = field(static=True)
+
+
+def block_shape(scaling: str, ndim: int, axis: int, role: str = "activation") -> tuple[int, ...]:
+    """The block size along each axis for `scaling`, contraction `axis` and `role`.
+
+    Args:
+      scaling: one of `BLOCK_SCALINGS`.
+      ndim: the tensor's rank.
+      axis: the contraction axis (negative counts from the end).
+      role: `"activation"`, `"weight"` or `"gradient"`; weights of NVFP4 and blockwise use
+        2-D blocks over the two axes of a 2-D array.
+
+    Returns:
+      A tuple of `ndim` block sizes.
+
+    Example:
+      >>> from mpjax.fp8 import block_shape
+      >>> block_shape("blockwise", 2, axis=0, role="weight")
+      (128, 128)
+    """
+    if scaling not in BLOCK_SCALINGS:
+        raise ValueError(f"block_shape: scaling={scaling!r}; expected one of {BLOCK_SCALINGS}")
+    if role not in _ROLES:
+        raise ValueError(f"block_shape: role={role!r}; expected one of {_ROLES}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"block_shape: axis={axis} is out of range for a {ndim}-d tensor")
+    axis %= ndim
+    along, across = _BLOCKS[scaling]
+    blocks = [1] * ndim
+    blocks[axis] = along
+    if role == "weight" and across > 1:
+        if ndim != 2:
+            raise ValueError(
+                f"block_shape: role='weight' with {scaling} uses {along}x{across} blocks over "
+                f"a 2-D weight; got a {ndim}-d tensor (reshape it to 2-D, or use "
+                "role='activation' for 1-D blocks)"
+            )
+        blocks[1 - axis] = across
+    return tuple(blocks)
+
+
+def _scaling_of(recipe: Any) -> tuple[str, bool]:
+    scaling = getattr(recipe, "scaling", recipe)
+    if scaling not in BLOCK_SCALINGS:
+        raise ValueError(
+            f"quantize_blocks: recipe scaling={scaling!r} is not block-scaled; use "
+            f"Fp8Recipe(scaling=...) with one of {BLOCK_SCALINGS}"
+        )
+    return scaling, bool(getattr(recipe, "power_of_two_scale", None))
+
+
+def _reduce_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
+    """Max over each block of `x` (zero-padded to whole blocks): the blocks' amax."""
+    pad = [(0, -n % b) for n, b in zip(x.shape, block, strict=True)]
+    x = jnp.pad(x, pad)
+    split = []
+    for n, b in zip(x.shape, block, strict=True):
+        split += [n // b, b]
+    return jnp.max(x.reshape(split), axis=tuple(range(1, 2 * x.ndim, 2)))
+
+
+def _expand_blocks(s: jax.Array, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
+    """Each block's value repeated over the block's elements, cut to `shape`."""
+    for d, b in enumerate(block):
+        if b > 1:
+            s = jnp.repeat(s, b, axis=d)
+    return s[tuple(slice(0, n) for n in shape)]
+
+
+def _pow2_at_least(ratio_num: jax.Array, top: float) -> jax.Array:
+    """The exponent k of the smallest power of two with `ratio_num / 2**k <= top` (exact)."""
+    mantissa, exponent = jnp.frexp(ratio_num)  # ratio_num = m * 2**e, m in [0.5, 1)
+    top_m, top_e = math.frexp(top)
+    return jnp.where(mantissa <= top_m, exponent - top_e, exponent - top_e + 1)
+
+
+def _exp2(k: jax.Array) -> jax.Array:
+    """`2.0**k` in float32 for integer k in [-126, 127], exact (built from its bits)."""
+    bits = (k.astype(jnp.int32).clip(-126, 127) + 127) << 23
+    return jax.lax.bitcast_convert_type(bits, _F32)
+
+
+def _e8m0(k: jax.Array, bad: jax.Array) -> jax.Array:
+    """The E8M0 scale `2**k` (k in [-127, 127]) from its bits; NaN (0xFF) where `bad`."""
+    bits = jnp.where(bad, 255, k.astype(jnp.int32) + 127).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
+
+
+def _quantize_mxfp8(xf, amax_b, block):
+    bad = ~jnp.isfinite(amax_b)
+    k = jnp.where(amax_b == 0, -127, _pow2_at_least(amax_b, _E4M3_MAX)).clip(-127, 127)
+    inverse = _expand_blocks(_exp2(-k), block, xf.shape)  # 2**-k: normal for k >= -126
+    data = jnp.clip(xf * inverse, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return data, _e8m0(k, bad), None
+
+
+def _quantize_blockwise(xf, amax_b, block, power_of_two):
+    bad = ~jnp.isfinite(amax_b)
+    if power_of_two:
+        k = _pow2_at_least(amax_b, _E4M3_MAX).clip(-126, 127)
+        scales = _exp2(k)
+    else:
+        scales = amax_b / _F32(_E4M3_MAX)
+    scales = jnp.where(amax_b == 0, _F32(1.0), scales)
+    scales = jnp.where(bad, jnp.nan, scales).astype(_F32)
+    q = xf / _expand_blocks(scales, block, xf.shape)
+    data = jnp.clip(q, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return data, scales, None
+
+
+def _round_e2m1(v: jax.Array, key: jax.Array | None) -> jax.Array:
+    """`v` (|v| <= 6) to float4_e2m1fn: nearest even, or stochastic (unbiased) with `key`."""
+    if key is None:
+        return v.astype(jnp.float4_e2m1fn)
+    a = jnp.abs(v)
+    ulp = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(_F32)
+    low = jnp.floor(a / ulp) * ulp
+    up = jax.random.uniform(key, v.shape, _F32) < (a - low) / ulp
+    return (jnp.sign(v) * jnp.minimum(low + ulp * up, _E2M1_MAX)).astype(jnp.float4_e2m1fn)
+
+
+def _quantize_nvfp4(xf, amax_b, block, key):
+    amax_t = jnp.max(jnp.abs(xf))
+    tensor_scale = jnp.where(amax_t == 0, _F32(1.0), _F32(_E4M3_MAX * _E2M1_MAX) / amax_t)
+    tensor_scale = jnp.where(jnp.isfinite(amax_t), tensor_scale, jnp.nan).astype(_F32)
+    scaled = jnp.minimum(amax_b / _F32(_E2M1_MAX) * tensor_scale, _F32(_E4M3_MAX))
+    scales = scaled.astype(jnp.float8_e4m3fn)
+    block_scale = _expand_blocks(scales.astype(_F32), block, xf.shape)
+    v = xf * (tensor_scale / block_scale)
+    v = jnp.where(block_scale == 0, 0.0, jnp.clip(v, -_E2M1_MAX, _E2M1_MAX))
+    return _round_e2m1(v, key), scales, tensor_scale
+
+
+def quantize_blocks(
+    x: jax.Array,
+    recipe: Any,
+    *,
+    axis: int = -1,
+    role: str = "activation",
+    key: jax.Array | None = None,
+) -> BlockQuantized:
+    """Quantises `x` with a block-scaled recipe (`"mxfp8"`, `"nvfp4"` or `"blockwise"`).
+
+    Args:
+      x: a floating array (computed in float32).
+      recipe: an `Fp8Recipe` whose `scaling` is block-scaled (or the scaling's name);
+        `power_of_two_scale=True` rounds blockwise scales up to powers of two.
+      axis: the contraction axis, along which blocks run.
+      role: `"activation"`, `"weight"` (2-D blocks for NVFP4 and blockwise) or `"gradient"`.
+      key: a PRNG key: round NVFP4 elements stochastically (unbiased); None rounds to
+        nearest even. MXFP8 and blockwise always round to nearest even.
+
+    Returns:
+      A `BlockQuantized`; `dequantize_blocks` maps it back to float32.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax.fp8 import dequantize_blocks, quantize_blocks
+      >>> bq = quantize_blocks(jnp.linspace(-1.0, 1.0, 64).reshape(2, 32), "mxfp8")
+      >>> bq.scales.shape, bq.scales.dtype
+      ((2, 1), dtype(float8_e8m0fnu))
+      >>> float(abs(dequantize_blocks(bq)[0, 0] + 1.0))
+      0.0
+    """
+    scaling, power_of_two = _scaling_of(recipe)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize_blocks: x has dtype {x.dtype}; expected a floating array")
+    if x.ndim == 0:
+        raise ValueError("quantize_blocks: x is a scalar; it needs a contraction axis")
+    if key is not None and scaling != "nvfp4":
+        raise ValueError(
+            f"quantize_blocks: key= (stochastic rounding) applies to 'nvfp4' elements only; "
+            f"{scaling} rounds to nearest even: pass key=None"
+        )
+    block = block_shape(scaling, x.ndim, axis, role)
+    xf = x.astype(_F32)
+    amax_b = _reduce_blocks(jnp.abs(xf), block)
+    if scaling == "mxfp8":
+        parts = _quantize_mxfp8(xf, amax_b, block)
+    elif scaling == "blockwise":
+        parts = _quantize_blockwise(xf, amax_b, block, power_of_two)
+    else:
+        parts = _quantize_nvfp4(xf, amax_b, block, key)
+    return BlockQuantized(*parts, block=block)
+
+
+def dequantize_blocks(bq: BlockQuantized, dtype: Any = _F32) -> jax.Array:
+    """`data * scale` per block (divided by the tensor scale for NVFP4), in `dtype`.
+
+    Args:
+      bq: a `BlockQuantized` from `quantize_blocks`.
+      dtype: the result's dtype (float32 by default).
+
+    Returns:
+      An array of `bq.data`'s shape.
+    """
+    if not isinstance(bq, BlockQuantized):
+        raise TypeError(f"dequantize_blocks: expected a BlockQuantized, got {type(bq).__name__}")
+    scale = _expand_blocks(bq.scales.astype(_F32), bq.block, bq.data.shape)
+    out = bq.data.astype(_F32) * scale
+    if bq.tensor_scale is not None:
+        out = out / bq.tensor_scale
+    return out.astype(np.dtype(dtype))

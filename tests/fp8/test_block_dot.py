@@ -1,0 +1,100 @@
+"""Block-scaled GEMMs (emulated): forward and both gradients equal the dequantised reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpjax
+from mpjax import Fp8Recipe
+from mpjax.fp8 import (
+    block_scaled_dot_general,
+    dequantize_blocks,
+    fp8_ops,
+    quantize_blocks,
+    random_hadamard,
+)
+
+DIMS = (((1,), (0,)), ((), ()))
+F32 = jnp.float32
+
+
+@jax.jit(static_argnums=(1, 2, 3))
+def _deq_jit(x, recipe, axis, role):
+    return dequantize_blocks(quantize_blocks(x, recipe, axis=axis, role=role))
+
+
+def _deq(x, recipe, axis, role):
+    return np.asarray(_deq_jit(x, recipe, axis, role), np.float64)
+
+
+def _operands():
+    x = jax.random.normal(jax.random.key(0), (48, 160)) * jnp.exp(
+        3 * jax.random.normal(jax.random.key(1), (48, 1))
+    )  # rows over ~8 binades
+    w = jax.random.normal(jax.random.key(2), (160, 96)) * 0.05
+    g = jax.random.normal(jax.random.key(3), (48, 96))
+    return x, w, g
+
+
+@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4", "blockwise"])
+def test_forward_and_gradients_equal_the_dequantised_reference(scaling):
+    recipe = Fp8Recipe(scaling=scaling)
+    x, w, g = _operands()
+
+    @jax.jit
+    def run(a, b, g):
+        out, vjp = jax.vjp(lambda a, b: block_scaled_dot_general(a, b, DIMS, recipe, F32), a, b)
+        return out, *vjp(g)
+
+    out, dx, dw = run(x, w, g)
+    # forward: x in 1-D blocks along K, w as a weight (2-D blocks for nvfp4 / blockwise)
+    want = _deq(x, recipe, 1, "activation") @ _deq(w, recipe, 0, "weight")
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # input gradient: g along N, w along N
+    want_dx = _deq(g, recipe, 1, "gradient") @ _deq(w, recipe, 1, "weight").T
+    np.testing.assert_allclose(
+        np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5 * np.abs(want_dx).max()
+    )
+    # weight gradient: both along the tokens (nvfp4: Hadamard-rotated, g stochastic)
+    if scaling == "nvfp4":
+        xs, gs = random_hadamard(x, 0), random_hadamard(g, 0)
+        # the key is internal: check the product against nearest and exact bounds instead
+        exact = np.asarray(x, np.float64).T @ np.asarray(g, np.float64)
+        near = _deq(xs, recipe, 0, "activation").T @ _deq(gs, recipe, 0, "gradient")
+        scale = np.abs(exact).max()
+        assert np.abs(np.asarray(dw) - exact).max() < 0.25 * scale
+        assert np.abs(np.asarray(dw) - near).max() < 0.25 * scale
+    else:
+        want_dw = _deq(x, recipe, 0, "activation").T @ _deq(g, recipe, 0, "gradient")
+        np.testing.assert_allclose(
+            np.asarray(dw), want_dw, rtol=1e-5, atol=1e-5 * np.abs(want_dw).max()
+        )
+
+
+def test_random_hadamard_is_orthogonal_along_the_contraction():
+    x, _, g = _operands()
+    got = np.asarray(random_hadamard(x, 0), np.float64).T @ np.asarray(
+        random_hadamard(g, 0), np.float64
+    )
+    want = np.asarray(x, np.float64).T @ np.asarray(g, np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # and it spreads a single outlier over its run of 16
+    spike = jnp.zeros((16, 1)).at[3, 0].set(16.0)
+    assert np.allclose(np.abs(np.asarray(random_hadamard(spike, 0))), 4.0)
+
+
+@pytest.mark.parametrize("scaling", ["mxfp8", "blockwise"])
+def test_autocast_runs_block_scaled_gemms_and_fp8_ops_says_emulated(scaling):
+    recipe = Fp8Recipe(scaling=scaling, min_dim=16)
+    x, w, _ = _operands()
+    f = lambda a, b: jnp.tanh(a @ b)
+    got = jax.jit(mpjax.autocast(f, "float32", fp8=recipe))(x, w)
+    want = np.tanh(_deq(x, recipe, 1, "activation") @ _deq(w, recipe, 0, "weight"))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    (op,) = fp8_ops(f, recipe, x, w)
+    assert op.fp8 and op.lowering == f"emulated {scaling}"
+    (op,) = fp8_ops(f, Fp8Recipe(min_dim=16), x, w)
+    assert op.lowering == "fp8"
