@@ -2,7 +2,11 @@
 
 from mpjax._src.autocast.fp8_report import Fp8Op, fp8_ops
 from mpjax._src.flax.fp8_nnx import Fp8Meta, update_nnx_fp8_meta
-from mpjax._src.fp8.block_dot import block_scaled_dot_general, random_hadamard
+from mpjax._src.fp8.block_dot import (
+    block_scaled_dot_general,
+    native_block_gemms,
+    random_hadamard,
+)
 from mpjax._src.fp8.blocks import (
     BLOCK_SCALINGS,
     BlockQuantized,
@@ -38,6 +42,7 @@ __all__ = [
     "fp8_max",
     "fp8_ops",
     "init_fp8_meta",
+    "native_block_gemms",
     "quantize",
     "quantize_blocks",
     "random_hadamard",

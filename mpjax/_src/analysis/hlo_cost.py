@@ -210,6 +210,9 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict, prefix: str = "") -> None
             contracting = [int(d) for d in dnums.get("lhs_contracting_dimensions", [])]
             flops = _dot_flops(ops[0], instr.shapes[0], contracting)
             _record(out, instr, "gemm", ops, flops, prefix)
+        elif target == "__cudnn$blockScaledDot":  # [B, M, K] x [B, N, K] -> [B, M, N]
+            flops = 2 * math.prod(instr.shapes[0][1]) * ops[0][1][-1]
+            _record(out, instr, "gemm", ops, flops, prefix)
         elif target.startswith("__cudnn$conv"):
             result = instr.shapes[0]
             if "BackwardInput" in target:
@@ -244,6 +247,8 @@ def _kind(instr: Instr) -> str:
             return "cublas gemm"
         if target.startswith("__cudnn$conv"):
             return "cudnn conv"
+        if target == "__cudnn$blockScaledDot":
+            return "cudnn block-scaled gemm"
         if "triton" in target:
             return "pallas/triton call"
         return f"custom-call {target}"

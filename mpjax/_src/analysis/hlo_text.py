@@ -34,6 +34,8 @@ DTYPE_BYTES = {
     "f8e5m2": 1,
     "f8e4m3fnuz": 1,
     "f8e5m2fnuz": 1,
+    "f8e8m0fnu": 1,
+    "f4e2m1fn": 0.5,
     "s16": 2,
     "u16": 2,
     "f16": 2,

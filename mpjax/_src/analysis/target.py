@@ -12,20 +12,31 @@ from typing import Any
 
 import jax
 
-__all__ = ["H100_TARGET", "compile_step", "h100_sharding", "h100_topology", "lower_step"]
+__all__ = [
+    "B200_TARGET",
+    "H100_TARGET",
+    "compile_step",
+    "h100_sharding",
+    "h100_topology",
+    "lower_step",
+]
 
 H100_TARGET = Path(__file__).resolve().parent / "h100.txtpb"
+# A B200 (compute capability 10.0, 148 SMs, 8 TB/s HBM3e) declaring cuDNN 9.10, so that
+# block-scaled GEMMs (`jax.nn.scaled_matmul`) lower to `__cudnn$blockScaledDot`.
+B200_TARGET = Path(__file__).resolve().parent / "b200.txtpb"
 
 
-def h100_topology(topology: str = "1x1x1") -> Any:
+def h100_topology(topology: str = "1x1x1", target: Path = H100_TARGET) -> Any:
     """The deviceless H100 topology (`"1x1x1"`, `"1x1x8"`, `"2x1x4"`: hosts x ? x GPUs).
 
-    Raises whatever JAX raises when the CUDA plugin is not installed.
+    `target=B200_TARGET` gives B200s instead. Raises whatever JAX raises when the CUDA
+    plugin is not installed.
     """
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(
-        platform="cuda", target_config=H100_TARGET.read_text(), topology=topology
+        platform="cuda", target_config=Path(target).read_text(), topology=topology
     )
 
 

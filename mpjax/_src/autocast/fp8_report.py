@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
+from mpjax._src.fp8.block_dot import native_block_gemms
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.conv import conv_gemm_site, gemm_reason
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
@@ -30,9 +31,9 @@ class Fp8Op(NamedTuple):
       fp8: whether it runs as an fp8 GEMM (forward and both gradients).
       reason: why it keeps the compute dtype (empty when `fp8`).
       lowering: how an fp8 op's GEMMs run: `"fp8"` (fp8 tensor-core GEMMs), or for the
-        block-scaled recipes `"emulated <scaling>"` (operands quantised per block and
-        dequantised to the compute dtype: the numbers of the format at the compute dtype's
-        speed); empty when not `fp8`.
+        block-scaled recipes `"native <scaling>"` (block-scaled tensor-core GEMMs) or
+        `"emulated <scaling>"` (operands quantised per block and dequantised to the compute
+        dtype: the numbers of the format at the compute dtype's speed); empty when not `fp8`.
     """
 
     name: str
@@ -47,7 +48,9 @@ class Fp8Op(NamedTuple):
 def _lowering(recipe: Fp8Recipe, reason: str) -> str:
     if reason:
         return ""
-    return f"emulated {recipe.scaling}" if recipe.scaling in BLOCK_SCALINGS else "fp8"
+    if recipe.scaling not in BLOCK_SCALINGS:
+        return "fp8"
+    return f"{'native' if native_block_gemms(recipe) else 'emulated'} {recipe.scaling}"
 
 
 def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:

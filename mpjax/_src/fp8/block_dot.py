@@ -28,10 +28,9 @@ import numpy as np
 from jax import lax
 
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS, dequantize_blocks, quantize_blocks
-from mpjax._src.fp8.layouts import grad_lhs_layout, grad_rhs_layout
 from mpjax._src.fp8.recipe import Fp8Recipe
 
-__all__ = ["block_scaled_dot_general", "random_hadamard"]
+__all__ = ["block_scaled_dot_general", "native_block_gemms", "random_hadamard"]
 
 _F32 = jnp.float32
 _RHT = 16
@@ -72,6 +71,59 @@ def _gradient_key(g: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(0x5EED), bits)
 
 
+def native_block_gemms(recipe: Fp8Recipe) -> bool:
+    """Whether `recipe`'s GEMMs lower to native block-scaled GEMMs (else emulated).
+
+    `recipe.block_lowering="native"` asks for them (cuDNN block-scaled GEMMs through
+    `jax.nn.scaled_matmul`: MXFP8 and NVFP4 on Blackwell), `"emulated"` for the
+    dequantised form; `"auto"` picks native when JAX's default device is a GPU of compute
+    capability 10 or above and the recipe is MXFP8 or NVFP4.
+    """
+    mode = getattr(recipe, "block_lowering", "auto")
+    if mode != "auto":
+        return mode == "native"
+    if recipe.scaling == "blockwise" or jax.default_backend() != "gpu":
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return float(capability) >= 10
+
+
+def _as_rows(x: jax.Array, contract: tuple[int, ...]) -> jax.Array:
+    """`x` as a 2-D `[free, contracted]` array (both flattened in axis order)."""
+    free = [i for i in range(x.ndim) if i not in contract]
+    x = jnp.transpose(x, free + list(contract))
+    k = int(np.prod([x.shape[x.ndim - len(contract) + i] for i in range(len(contract))]))
+    return x.reshape(-1, k)
+
+
+def _rows_scales(bq) -> jax.Array:
+    """Per-row 1-D block scales of a `[rows, K]` `BlockQuantized` (2-D blocks repeated)."""
+    rows = bq.data.shape[0]
+    return jnp.repeat(bq.scales, bq.block[0], axis=0)[:rows]
+
+
+def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
+    """`a @ b.T` for 2-D `[M, K]`, `[N, K]` operands, each quantised along K."""
+    qa, qb = (
+        quantize_blocks(x, recipe, axis=1, role=role, key=key)
+        for x, role, key in zip((a, b), roles, keys, strict=True)
+    )
+    if not native:
+        da, db = dequantize_blocks(qa, compute), dequantize_blocks(qb, compute)
+        return lax.dot_general(da, db, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+    k = a.shape[1]
+    pad = [(0, 0), (0, -k % qa.block[1])]
+    out = jax.nn.scaled_matmul(
+        jnp.pad(qa.data, pad)[None],
+        jnp.pad(qb.data, pad)[None],
+        _rows_scales(qa)[None],
+        _rows_scales(qb)[None],
+    )[0]
+    if qa.tensor_scale is not None:
+        out = out / (qa.tensor_scale * qb.tensor_scale)
+    return out
+
+
 def block_scaled_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -79,14 +131,19 @@ def block_scaled_dot_general(
     recipe: Fp8Recipe,
     compute_dtype: Any,
 ) -> jax.Array:
-    """`lax.dot_general(lhs, rhs)` with block-scaled operands in all three GEMMs (emulated).
+    """`lax.dot_general(lhs, rhs)` with block-scaled operands in all three GEMMs.
+
+    Each GEMM sees its operands as 2-D `[free, contracted]` arrays (axes flattened in
+    order), quantised with `quantize_blocks` along the contracted axis; it runs as a native
+    block-scaled GEMM (`jax.nn.scaled_matmul`, cuDNN on Blackwell) or emulated (dequantised
+    to `compute_dtype`), as `native_block_gemms(recipe)` says. Float32 accumulation.
 
     Args:
       lhs: left operand (activations).
       rhs: right operand (weights).
-      dimension_numbers: `dot_general` dimension numbers.
+      dimension_numbers: `dot_general` dimension numbers without batch dimensions.
       recipe: an `Fp8Recipe` with scaling `"mxfp8"`, `"nvfp4"` or `"blockwise"`.
-      compute_dtype: the dtype the dequantised operands are multiplied in, and the output's.
+      compute_dtype: the output's dtype (and the emulated GEMMs' operand dtype).
 
     Returns:
       The product in `compute_dtype`.
@@ -107,38 +164,47 @@ def block_scaled_dot_general(
             f"{BLOCK_SCALINGS}"
         )
     (lc, rc), (lb, rb) = dimension_numbers
-    dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    if not lc:
-        raise ValueError("block_scaled_dot_general: needs at least one contracting axis")
+    if lb or rb or not lc:
+        raise ValueError(
+            "block_scaled_dot_general: needs contracting axes and no batch axes, got "
+            f"dimension_numbers={dimension_numbers!r} (batched products stay in the compute "
+            "dtype: see fp8_eligible)"
+        )
+    lc, rc = tuple(lc), tuple(rc)
     compute = np.dtype(compute_dtype)
-    w_role = "weight" if np.ndim(rhs) == 2 and not rb else "activation"
+    native = native_block_gemms(recipe)
+    w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"
 
-    def deq(x, axes, role, key=None):
-        bq = quantize_blocks(x, recipe, axis=max(axes), role=role, key=key)
-        return dequantize_blocks(bq, compute)
-
-    def gemm(a, b, gdims):
-        return lax.dot_general(a, b, gdims, preferred_element_type=_F32).astype(compute)
-
     def forward(a, b):
-        out = gemm(deq(a, dims[0][0], "activation"), deq(b, dims[0][1], w_role), dims)
-        return out, (a, b)
+        out = _gemm(
+            recipe, _as_rows(a, lc), _as_rows(b, rc), ("activation", w_role), native, compute
+        )
+        a_free = [a.shape[i] for i in range(a.ndim) if i not in lc]
+        b_free = [b.shape[i] for i in range(b.ndim) if i not in rc]
+        return out.reshape(a_free + b_free).astype(compute), (a, b)
 
     def backward(saved, g):
         a, b = saved
-        gdims, perm = grad_lhs_layout(dims, a.ndim, b.ndim)
-        qg = deq(g, gdims[0][0], "gradient")
-        da = jnp.transpose(gemm(qg, deq(b, gdims[0][1], w_role), gdims), perm)
-        gdims, perm = grad_rhs_layout(dims, a.ndim, b.ndim)
-        a_axis, g_axis = max(gdims[0][0]), max(gdims[0][1])
-        key = None
-        if nvfp4:  # Hadamard-rotate both along the contracted token axis; SR the gradient
+        na = a.ndim - len(lc)
+        g_rows = g.reshape(int(np.prod(g.shape[:na])), -1)  # [M, N]
+        # input gradient: g [M, N] . (w as [K, N])^T, both quantised along N
+        b_kn = _as_rows(b, tuple(i for i in range(b.ndim) if i not in rc))  # [K, N]
+        da = _gemm(recipe, g_rows, b_kn, ("gradient", w_role), native, compute)
+        a_free = [i for i in range(a.ndim) if i not in lc]
+        da = da.reshape([a.shape[i] for i in a_free] + [a.shape[i] for i in lc])
+        da = jnp.transpose(da, np.argsort(a_free + list(lc)))
+        # weight gradient: (w free) x (w contracted): g^T [N, M] . (a as [K, M])^T along M
+        a_km = _as_rows(a, tuple(a_free))  # [K, M]
+        g_nm, key = g_rows.T, None
+        if nvfp4:  # Hadamard-rotate both along the tokens; round the gradient stochastically
             key = _gradient_key(g)
-            a, g = random_hadamard(a, a_axis), random_hadamard(g, g_axis)
-        qa = deq(a, gdims[0][0], "activation")
-        db = jnp.transpose(gemm(qa, deq(g, gdims[0][1], "gradient", key), gdims), perm)
-        return da.astype(saved[0].dtype), db.astype(saved[1].dtype)
+            a_km, g_nm = random_hadamard(a_km, 1), random_hadamard(g_nm, 1)
+        db = _gemm(recipe, g_nm, a_km, ("gradient", "activation"), native, compute, (key, None))
+        b_free = [i for i in range(b.ndim) if i not in rc]
+        db = db.reshape([b.shape[i] for i in b_free] + [b.shape[i] for i in rc])
+        db = jnp.transpose(db, np.argsort(b_free + list(rc)))
+        return da.astype(a.dtype), db.astype(b.dtype)
 
     op = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     op.defvjp(forward, backward)

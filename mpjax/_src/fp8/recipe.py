@@ -17,6 +17,7 @@ FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _SCALINGS = ("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4", "blockwise")
 _AMAX_COMPUTE = ("max", "most_recent")
 _CONVS = ("none", "1x1")
+_BLOCK_LOWERINGS = ("auto", "native", "emulated")
 
 
 class Fp8Site(NamedTuple):
@@ -63,11 +64,12 @@ class Fp8Recipe:
     gradient in `backward_dtype` and the other operand in `forward_dtype`.
 
     Attributes:
-      scaling: `"tensorwise"` (one scale per tensor from its current amax: torchao's default,
-        stateless and robust), `"rowwise"` (one scale per row along the contracting
-        dimension: torchao's most accurate recipe, tolerant of outlier rows) or `"delayed"`
-        (scale from an amax history kept in a variable collection, TE's `DelayedScaling`;
-        only through `apply_policy`, since it needs state).
+      scaling: `"mxfp8"`, `"nvfp4"` or `"blockwise"` (block-scaled formats: see
+        `mpjax.fp8.quantize_blocks`), or `"tensorwise"` (one scale per tensor from its
+        current amax: torchao's default, stateless and robust), `"rowwise"` (one scale per row
+        along the contracting dimension: torchao's most accurate recipe, tolerant of outlier
+        rows) or `"delayed"` (scale from an amax history kept in a variable collection,
+        TE's `DelayedScaling`; only through `apply_policy`, since it needs state).
       forward_dtype: activations and weights; e4m3 (3 mantissa bits) is the precise format.
       backward_dtype: output gradients; e5m2 by default (TE's HYBRID format): gradients span
         a wider range than they need precision. Pass float8_e4m3fn for all-e4m3.
@@ -103,6 +105,12 @@ class Fp8Recipe:
         upcasts fp8 operands); see `mpjax/fp8/conv.py`. `mpjax.fp8.fp8_ops` lists each
         op's choice and why.
 
+      block_lowering: how the block-scaled recipes' GEMMs run: `"native"` (cuDNN
+        block-scaled GEMMs through `jax.nn.scaled_matmul`; MXFP8 and NVFP4 on Blackwell),
+        `"emulated"` (operands dequantised to the compute dtype: the format's numbers on any
+        device) or `"auto"` (native on a GPU of compute capability 10 or above, for MXFP8
+        and NVFP4). Ignored by the other scalings.
+
     Raises:
       ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a negative
         margin, a history length below 1 or a `min_dim` below 16, naming the field.
@@ -126,8 +134,14 @@ class Fp8Recipe:
     exclude: tuple[str, ...] = ()
     exclude_if: Callable[[Fp8Site], bool] | None = None
     convs: str = "none"
+    block_lowering: str = "auto"
 
     def __post_init__(self):
+        if self.block_lowering not in _BLOCK_LOWERINGS:
+            raise ValueError(
+                f"Fp8Recipe: block_lowering={self.block_lowering!r}; expected one of "
+                f"{_BLOCK_LOWERINGS}"
+            )
         if self.scaling not in _SCALINGS:
             raise ValueError(f"Fp8Recipe: scaling={self.scaling!r}; expected one of {_SCALINGS}")
         if self.amax_compute not in _AMAX_COMPUTE:

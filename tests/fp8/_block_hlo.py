@@ -1,0 +1,73 @@
+"""Deviceless B200 and H100 compiles for tests/fp8/test_block_gpu.py (under the gpu-aot python).
+
+Writes one JSON object to `--json PATH`: for each block-scaled recipe and target, the GEMM
+FLOPs by operand dtype of the optimized HLO of one training step (loss and gradients) of a
+small pre-LN transformer LM (attention, MLP, vocabulary head) under
+`autocast(..., "bfloat16", fp8=recipe)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import mpjax  # noqa: E402
+from mpjax._src.analysis import hlo_cost  # noqa: E402
+from mpjax._src.analysis.target import B200_TARGET, h100_topology  # noqa: E402
+
+B, T, D, H, V = 4, 128, 512, 4, 2048
+
+
+def lm_loss(params, tokens):
+    """A one-block pre-LN transformer LM's next-token loss (plain JAX)."""
+    x = params["embed"][tokens]
+    h = jax.nn.standardize(x, axis=-1)
+    q, k, v = jnp.split(h @ params["qkv"], 3, axis=-1)
+    q, k, v = (t.reshape(B, T, H, D // H) for t in (q, k, v))
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, D)
+    x = x + att @ params["proj"]
+    h = jax.nn.standardize(x, axis=-1)
+    x = x + jax.nn.gelu(h @ params["up"]) @ params["down"]
+    logits = jax.nn.standardize(x, axis=-1) @ params["head"]
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+SHAPES = {
+    "embed": (V, D),
+    "qkv": (D, 3 * D),
+    "proj": (D, D),
+    "up": (D, 4 * D),
+    "down": (4 * D, D),
+    "head": (D, V),
+}
+
+
+def gemm_flops(target: Path, scaling: str) -> dict:
+    sharding = jax.sharding.SingleDeviceSharding(h100_topology(target=target).devices[0])
+    recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering="native", min_dim=64)
+    loss = mpjax.autocast(lm_loss, "params=float32,compute=bfloat16,output=float32", fp8=recipe)
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for k, s in SHAPES.items()}
+    tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding)
+    compiled = jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower().compile()
+    return dict(hlo_cost.analyze(compiled.as_text()).gemm_flops)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    out = {f"b200/{s}": gemm_flops(B200_TARGET, s) for s in ("mxfp8", "nvfp4")}
+    Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
