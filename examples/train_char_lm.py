@@ -60,6 +60,7 @@ __all__ = [
     "CharLMConfig",
     "CharTransformer",
     "FP8_RECIPE",
+    "FP8_RECIPES",
     "PARAM_DTYPES",
     "Corpus",
     "apply_precision",
@@ -77,6 +78,14 @@ _LN2 = float(np.log(2.0))
 # (the top-level Dense) stays in bf16, as LM heads usually do.
 FP8 = "fp8"
 FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
+# The block-scaled recipes (emulated on CPU: the format's numbers, not its speed), same GEMMs.
+FP8_RECIPES = {
+    FP8: FP8_RECIPE,
+    **{
+        name: mpjax.Fp8Recipe(scaling=name, min_dim=16, exclude=("CharTransformer/Dense_0",))
+        for name in ("mxfp8", "nvfp4", "blockwise")
+    },
+}
 
 # --param-dtype: the dtype the params are stored (and trained) in.
 PARAM_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -88,7 +97,8 @@ class CharLMConfig:
 
     Attributes:
       precision: "fp32", "bf16", "fp16" (dynamic loss scaling), "fp16-noscale" or "fp8"
-        (bf16 plus fp8 GEMMs, `FP8_RECIPE`).
+        (bf16 plus fp8 GEMMs, `FP8_RECIPE`), or a block-scaled recipe ("mxfp8", "nvfp4",
+        "blockwise": `FP8_RECIPES`).
       steps: optimiser steps.
       batch_size: sequences per step.
       seq_len: tokens per sequence (also the model's maximum length).
@@ -137,10 +147,10 @@ class CharLMConfig:
                 f"CharLMConfig.param_dtype={self.param_dtype!r}; choose from "
                 f"{', '.join(PARAM_DTYPES)}"
             )
-        if self.precision not in PRECISIONS and self.precision != FP8:
+        if self.precision not in PRECISIONS and self.precision not in FP8_RECIPES:
             raise ValueError(
                 f"CharLMConfig.precision={self.precision!r}; choose from "
-                f"{', '.join([*PRECISIONS, FP8])}"
+                f"{', '.join([*PRECISIONS, *FP8_RECIPES])}"
             )
         for name in (
             "steps",
@@ -281,9 +291,9 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
         num_heads=config.num_heads,
         max_len=config.seq_len,
     )
-    fp8 = config.precision == FP8
+    fp8 = FP8_RECIPES.get(config.precision)
     base = "bf16" if fp8 else config.precision
-    apply = apply_precision(model, policy_for(base), FP8_RECIPE if fp8 else None)
+    apply = apply_precision(model, policy_for(base), fp8)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, max(1, config.steps // 10), config.steps
     )
@@ -379,7 +389,7 @@ def train(
     """
     corpus = load_corpus() if corpus is None else corpus
 
-    base_precision = "bf16" if config.precision == FP8 else config.precision
+    base_precision = "bf16" if config.precision in FP8_RECIPES else config.precision
 
     def run():
         f = make_train_fns(config) if fns is None else fns
@@ -446,7 +456,7 @@ def _parser() -> argparse.ArgumentParser:
         batch_help="sequences per step",
     )
     precisions = next(a for a in p._actions if a.dest == "precisions")
-    precisions.choices = [*precisions.choices, FP8]  # fp8: this example only
+    precisions.choices = [*precisions.choices, *FP8_RECIPES]  # fp8 and block formats: here only
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--d-model", type=int, default=d.d_model, help="residual stream width")
     p.add_argument("--layers", type=int, default=d.num_layers, help="transformer blocks")
