@@ -142,3 +142,21 @@ def test_example_raises_what_the_table_says(row):
     with pytest.raises(cls) as err:
         exec(row["example"], ns)  # noqa: S102
     assert row["contains"] in str(err.value)
+
+
+def test_checker_reports_a_malformed_table():
+    """The checker fails on a broken table rather than skipping its rows."""
+    header = "| Misuse | Example | Raises | Message contains | Fix |"
+    bad_rows = [
+        "| m | not code | `ValueError` | `x` | fix |",  # Example not a code span
+        "| m | `1/0` | `ZeroDivisionError` | `x` |",  # 4 cells
+    ]
+    for row in bad_rows:
+        _, problems = _parse("S", ["", header, "|---|---|---|---|---|", row])
+        assert problems, row
+    _, problems = _parse("S", ["| Misuse | Example | Raises | Fix |", "|---|---|---|---|"])
+    assert problems
+    _, problems = _parse("S", ["no table here"])
+    assert problems
+    rows, problems = _parse("S", [header, "|---|---|---|---|---|", "| m | `1/0` | `E` | `d` | f |"])
+    assert not problems and rows[0]["example"] == "1/0"

@@ -21,8 +21,8 @@ __all__ = [
 ]
 
 
-def _is_flax_variable(x: Any) -> bool:
-    """A flax.nnx Variable (nnx.Optimizer stores opt_state leaves in them), by its module.
+def _is_flax_nnx(x: Any) -> bool:
+    """A flax.nnx object (nnx.Optimizer stores opt_state leaves in Variables), by its module.
 
     Recognised by the class's module, so this layer does not import Flax. Never by duck
     typing: a user's container may answer any attribute (the JAX training cookbook's
@@ -33,12 +33,14 @@ def _is_flax_variable(x: Any) -> bool:
 
 def _unwrap(x: Any) -> Any:
     """The value of a flax.nnx Variable; anything else as it is."""
-    if not _is_flax_variable(x):
+    if not _is_flax_nnx(x):
         return x
     get_value = getattr(x, "get_value", None)
     if callable(get_value):
         return get_value()
-    return x.value  # flax versions whose Variables have no get_value
+    if hasattr(x, "value"):
+        return x.value  # flax versions whose Variables have no get_value
+    return x  # an nnx.State: a node
 
 
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
