@@ -50,6 +50,7 @@ from mpjax.scaling import (
     select_tree,
     snapshot_state,
     with_loss_scale,
+    with_master_weights,
 )
 
 __version__ = "0.1.0"
@@ -103,4 +104,5 @@ __all__ = [
     "select_tree",
     "snapshot_state",
     "with_loss_scale",
+    "with_master_weights",
 ]

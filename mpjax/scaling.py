@@ -21,7 +21,7 @@ from mpjax._src.scaling.loss_scale import (
 from mpjax._src.scaling.loss_scaled import LossScaledState, loss_scaled
 from mpjax._src.scaling.low_precision import LowPrecisionState, low_precision_state
 from mpjax._src.scaling.master import master_params
-from mpjax._src.scaling.migrate import loss_scale_from_flax, with_loss_scale
+from mpjax._src.scaling.migrate import loss_scale_from_flax, with_loss_scale, with_master_weights
 from mpjax._src.scaling.state_helpers import (
     find_loss_scaled_state,
     get_loss_scale,
@@ -60,6 +60,7 @@ __all__ = [
     "snapshot_state",
     "unscale_tree",
     "with_loss_scale",
+    "with_master_weights",
 ]
 
 

@@ -23,13 +23,30 @@ class TrainingDivergedError(RuntimeError):
     """
 
 
-def diverged_message(consecutive: int, limit: int, loss_scale: float, source: str) -> str:
-    """The `TrainingDivergedError` message: who checked, the skips in a row, limit, scale."""
-    return (
+def diverged_message(
+    consecutive: int, limit: int, loss_scale: float, source: str, min_scale: float | None = None
+) -> str:
+    """The `TrainingDivergedError` message: who checked, the skips in a row, limit, scale.
+
+    `min_scale`: the dynamic scale's floor; when the scale sits on it, the message says
+    that scaling can do no more and how to let it go lower.
+    """
+    msg = (
         f"TrainingDivergedError: {source} saw {consecutive} non-finite steps in a row "
-        f"(max_consecutive_skips={limit}; loss scale {loss_scale:g}). The model produces "
-        "inf/NaN gradients at every scale: check the loss and the inputs, or find the "
-        "overflowing layer with mpjax.scaling.nonfinite_report(grads)."
+        f"(max_consecutive_skips={limit}; loss scale {loss_scale:g}). "
+    )
+    if min_scale is not None and loss_scale <= min_scale:
+        return msg + (
+            f"The scale sits at its floor, min_scale={min_scale:g}: the gradients overflow "
+            "even at that scale. Let it go lower (DynamicLossScale(min_scale=2.0**-14)), "
+            "compute the overflowing layer in float32 (find it with "
+            "mpjax.scaling.nonfinite_report(grads), then a policy rule), or train in "
+            "bfloat16 (float32's range); NaN gradients mean a broken loss or input, which "
+            "no scale fixes."
+        )
+    return msg + (
+        "The model produces inf/NaN gradients at every scale: check the loss and the "
+        "inputs, or find the overflowing layer with mpjax.scaling.nonfinite_report(grads)."
     )
 
 
@@ -121,7 +138,9 @@ def nonfinite_report(tree: Any) -> NonfiniteReport:
     return NonfiniteReport(tuple(paths), jnp.stack(nans), jnp.stack(infs))
 
 
-def raise_in_step_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: int) -> None:
+def raise_in_step_if_diverged(
+    consecutive: jax.Array, scale: jax.Array, limit: int, min_scale: float | None = None
+) -> None:
     """Raises `TrainingDivergedError` from a traced step once `consecutive >= limit`.
 
     Through a host callback, which takes the step off JAX's C++ dispatch path.
@@ -133,7 +152,9 @@ def raise_in_step_if_diverged(consecutive: jax.Array, scale: jax.Array, limit: i
         if not np.any(n >= limit):
             return
         raise TrainingDivergedError(
-            diverged_message(int(np.max(n)), limit, float(np.min(s)), "mpjax.loss_scaled")
+            diverged_message(
+                int(np.max(n)), limit, float(np.min(s)), "mpjax.loss_scaled", min_scale
+            )
         )
 
     jax.lax.cond(

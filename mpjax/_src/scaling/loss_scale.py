@@ -47,7 +47,8 @@ def _check_positive_finite(name: str, value: Any) -> float:
 def all_finite(tree: Any) -> jax.Array:
     """Returns a scalar bool array: whether every floating leaf of `tree` is finite.
 
-    Non-floating leaves (ints, bools, float0) are ignored; an empty tree is finite.
+    Python floats are checked too (`float("inf")` is not finite); non-floating leaves
+    (ints, bools, float0) are ignored; an empty tree is finite.
 
     Example:
       >>> import jax.numpy as jnp
@@ -55,7 +56,10 @@ def all_finite(tree: Any) -> jax.Array:
       >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([jnp.inf])}))
       False
     """
-    leaves = [x for x in jax.tree.leaves(tree) if _is_floating(x)]
+    leaves = [
+        jnp.asarray(x, jnp.float32) if isinstance(x, float) else x for x in jax.tree.leaves(tree)
+    ]
+    leaves = [x for x in leaves if _is_floating(x)]
     if not leaves:
         return jnp.array(True)
     flags = [jnp.all(jnp.isfinite(x)) for x in leaves]
@@ -257,7 +261,9 @@ class DynamicLossScale(LossScale):
             )
         if not 1 <= int(growth_interval) <= np.iinfo(np.int32).max:
             raise ValueError(
-                f"DynamicLossScale: growth_interval must be >= 1, got {growth_interval}"
+                f"DynamicLossScale: growth_interval must be between 1 and 2**31 - 1 "
+                f"(the growth counter is an int32), got {growth_interval}; a scale that "
+                f"should never grow is StaticLossScale(scale)"
             )
         growth_factor = _check_positive_finite("DynamicLossScale: growth_factor", growth_factor)
         if np.float32(growth_factor) <= 1:  # the scale is computed in float32

@@ -11,13 +11,8 @@ import optax
 
 from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.dtypes import wide_dtype as _wide_dtype
-from mpjax._src.kernels.dispatch import IMPLS
 from mpjax._src.kernels.unscale import all_finite_unscaled, xla_unscale_and_check
-from mpjax._src.scaling.checks import (
-    _check_loss_scale,
-    _check_param_dtypes,
-    _check_same_structure,
-)
+from mpjax._src.scaling.checks import _check_arguments, _check_grads_match, _check_param_dtypes
 from mpjax._src.scaling.config import default_max_consecutive_skips
 from mpjax._src.scaling.diagnostics import raise_in_step_if_diverged
 from mpjax._src.scaling.loss_scale import (
@@ -28,13 +23,13 @@ from mpjax._src.scaling.loss_scale import (
     unscale_tree,
 )
 from mpjax._src.scaling.master import (
-    MASTER_MODES,
     _is_masked,
     init_master,
     next_master,
     rounded,
     view,
 )
+from mpjax._src.scaling.master_check import check_master
 
 __all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
 
@@ -258,7 +253,8 @@ def _next_state(state, new_inner, new_master, grads_finite, ok, limit, values_ch
     skipped = jnp.logical_not(finite).astype(jnp.int32)
     consecutive = jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32)
     if limit is not None:
-        raise_in_step_if_diverged(consecutive, state.loss_scale.loss_scale, limit)
+        floor = getattr(state.loss_scale, "min_scale", None)
+        raise_in_step_if_diverged(consecutive, state.loss_scale.loss_scale, limit, floor)
     return LossScaledState(
         inner_state=new_inner,
         master=new_master,
@@ -379,39 +375,17 @@ def loss_scaled(
       >>> updates, state = tx.update(grads, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
-    if isinstance(inner, optax.MultiSteps):
-        inner = inner.gradient_transformation()
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "loss_scaled: inner must be an optax GradientTransformation, "
-            f"got {type(inner).__name__}"
-        )
-    if check_new_values not in ("auto", True, False):
-        raise ValueError(
-            f"loss_scaled: check_new_values must be 'auto', True or False, got {check_new_values!r}"
-        )
-    if skip_impl not in ("auto", "cond", "select"):
-        raise ValueError(
-            f"loss_scaled: skip_impl must be 'auto', 'cond' or 'select', got {skip_impl!r}"
-        )
-    if master_weights not in MASTER_MODES:
-        raise ValueError(
-            "loss_scaled: master_weights must be 'auto', True, False or 'remainder', "
-            f"got {master_weights!r}"
-        )
-    loss_scale = _check_loss_scale(loss_scale)
-    if max_consecutive_skips not in ("auto", None) and (
-        isinstance(max_consecutive_skips, bool)
-        or not isinstance(max_consecutive_skips, int)
-        or max_consecutive_skips < 1
-    ):
-        raise ValueError(
-            f"loss_scaled: max_consecutive_skips must be an int >= 1, 'auto' or None, "
-            f"got {max_consecutive_skips!r}"
-        )
-    inner = optax.with_extra_args_support(inner)
-    if unscale_and_check is None and impl not in IMPLS:
-        raise ValueError(f"loss_scaled: impl must be one of {IMPLS}, got {impl!r}")
+    inner, loss_scale = _check_arguments(
+        inner,
+        loss_scale,
+        master_weights=master_weights,
+        axis_name=axis_name,
+        unscale_and_check=unscale_and_check,
+        max_consecutive_skips=max_consecutive_skips,
+        check_new_values=check_new_values,
+        skip_impl=skip_impl,
+        impl=impl,
+    )
     lazy_unscale = unscale_and_check is None
 
     def init_fn(params):
@@ -436,7 +410,8 @@ def loss_scaled(
             raise TypeError(
                 f"loss_scaled: state must be a LossScaledState, got {type(state).__name__}"
             )
-        _check_same_structure(grads, params)
+        grads = _check_grads_match(grads, params)
+        check_master(params, state.master, master_weights, "loss_scaled")
         if unscale_and_check is not None or impl != "auto":
             return _update(grads, state, params, extra_args, lazy_unscale, unscale_and_check)
         # "auto": on XLA:CPU, unscaling once before the step is cheaper than fusing the

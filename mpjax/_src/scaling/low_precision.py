@@ -9,13 +9,16 @@ each floating leaf is stored as blockwise-scaled 8-bit codes (`blockwise8.py`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpjax._src.core.dtypes import is_floating as _is_floating
+from mpjax._src.core.policy import DTYPE_NAMES
 from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
 
 __all__ = ["LowPrecisionState", "low_precision_state", "stochastic_round"]
@@ -98,6 +101,46 @@ def _narrows(x: Any, dtype: jnp.dtype) -> bool:
     return _is_floating(x) and jnp.dtype(x.dtype).itemsize > jnp.dtype(dtype).itemsize
 
 
+def _storage_dtype(dtype: Any) -> np.dtype:
+    """The storage dtype: a dtype, or a name ("bf16", "bfloat16", "f16", "int8", ...)."""
+    if isinstance(dtype, str) and dtype.strip().lower() in DTYPE_NAMES:
+        dtype = DTYPE_NAMES[dtype.strip().lower()]
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"low_precision_state: dtype {dtype!r} is not a dtype; use jnp.bfloat16 (or "
+            f"'bf16'), jnp.int8 or another floating dtype ({sorted(DTYPE_NAMES)})"
+        ) from None
+    if not (dtype == jnp.int8 or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(f"low_precision_state: dtype must be a floating dtype or int8, got {dtype}")
+    return dtype
+
+
+def _check_rounding(rounding: str | None, dtype: np.dtype) -> str:
+    if rounding is None:
+        rounding = "nearest" if dtype == jnp.int8 else "stochastic"
+    if rounding not in _ROUNDINGS:
+        raise ValueError(
+            f"low_precision_state: rounding must be one of {_ROUNDINGS}, got {rounding!r}"
+        )
+    if rounding == "stochastic" and dtype not in (jnp.bfloat16, jnp.int8):
+        raise ValueError(
+            f"low_precision_state: stochastic rounding is implemented for bfloat16 and int8, "
+            f"got dtype={dtype}; use rounding='nearest'"
+        )
+    if dtype == jnp.float16:
+        warnings.warn(
+            "low_precision_state(dtype=float16): float16 has 5 exponent bits, so optimizer "
+            "state below 6e-8 flushes to zero (Adam's second moment of gradients below "
+            "~2e-4 underflows and its updates grow); store the state in bfloat16 "
+            "(dtype=jnp.bfloat16, float32's range) instead",
+            UserWarning,
+            stacklevel=3,
+        )
+    return rounding
+
+
 def low_precision_state(
     inner: optax.GradientTransformation,
     dtype: Any = jnp.bfloat16,
@@ -123,14 +166,15 @@ def low_precision_state(
     Args:
       inner: the optax transformation whose state to store narrow.
       dtype: the storage dtype of the floating state: bfloat16 (default), int8
-        (blockwise-scaled 8-bit codes) or another floating dtype.
+        (blockwise-scaled 8-bit codes) or another floating dtype, or its name ("bf16").
+        float16 warns: its range is too narrow for second moments (use bfloat16).
       rounding: "stochastic" (bfloat16 and int8): unbiased stochastic rounding keyed from
         `seed` and the update count, so a run resumed from a checkpoint is bitwise
         identical; "nearest": round to the nearest value (ties to even for floating
         dtypes). None (default): "nearest" for int8, else "stochastic". (Between int8
         codes a decade apart, stochastic rounding of Adam's second moment is unbiased but
         1 / sqrt of it is not: measured, it converges worse than nearest.)
-      seed: an int seeding the stochastic rounding.
+      seed: an int in [0, 2**32) seeding the stochastic rounding.
       block_size: elements per float32 scale with `dtype=jnp.int8`.
 
     Returns:
@@ -145,25 +189,19 @@ def low_precision_state(
       dtype(bfloat16)
       >>> updates, state = tx.update({"w": jnp.ones((3,))}, state, params)
     """
-    if rounding is None:
-        rounding = "nearest" if jnp.dtype(dtype) == jnp.int8 else "stochastic"
-    if rounding not in _ROUNDINGS:
-        raise ValueError(
-            f"low_precision_state: rounding must be one of {_ROUNDINGS}, got {rounding!r}"
-        )
-    dtype = jnp.dtype(dtype)
-    int8 = dtype == jnp.int8
-    if not (int8 or jnp.issubdtype(dtype, jnp.floating)):
-        raise TypeError(f"low_precision_state: dtype must be a floating dtype or int8, got {dtype}")
-    if rounding == "stochastic" and dtype not in (jnp.bfloat16, jnp.int8):
-        raise ValueError(
-            f"low_precision_state: stochastic rounding is implemented for bfloat16 and int8, "
-            f"got dtype={dtype}; use rounding='nearest'"
-        )
+    dtype = _storage_dtype(dtype)
+    rounding = _check_rounding(rounding, dtype)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"low_precision_state: block_size must be an int >= 1, got {block_size!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"low_precision_state: seed must be an int, got {type(seed).__name__}")
+    if not 0 <= int(seed) < 2**32:
+        raise ValueError(
+            f"low_precision_state: seed must be in [0, 2**32) (it keys a uint32 hash), got "
+            f"{seed}; e.g. seed={int(seed) % 2**32}"
+        )
+    seed = int(seed)
+    int8 = dtype == jnp.int8
     inner = optax.with_extra_args_support(inner)
 
     def narrow(tree, count):

@@ -1,9 +1,12 @@
 """The master weights of `loss_scaled`: kept in float32, as int16 remainders, or not at all.
 
-A master leaf is `optax.MaskedNode()` (no master: the param itself, widened, is the
-master), a float32 (or float64) array (the master), or, with
-`master_weights="remainder"`, an int16 array: the low half of the float32 master of a
-bfloat16 param (see `remainder.py`).
+A master leaf is `NoMaster()` (no master: the param itself, widened, is the master), a
+float32 (or float64) array (the master), or, with `master_weights="remainder"`, a
+`Remainder` node holding an int16 array: the low half of the float32 master of a bfloat16
+param (see `remainder.py`). The two kinds that are not plain arrays are pytree nodes of
+their own, so a checkpoint records which kind each leaf is: restoring a remainder into a
+float32 master (or back) fails on the tree structure instead of casting int16 bits to
+float32 numbers (see `mpjax/_src/flax/serialization.py` and `with_master_weights`).
 """
 
 from __future__ import annotations
@@ -18,18 +21,81 @@ from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.dtypes import wide_dtype as _wide_dtype
 from mpjax._src.scaling.remainder import join_master, split_master
 
-__all__ = ["master_params"]
+__all__ = ["NoMaster", "Remainder", "master_params"]
 
-_MASKED = optax.MaskedNode
 MASTER_MODES = ("auto", True, False, "remainder")
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class NoMaster:
+    """The master leaf of a param that keeps none: a pytree node without children.
+
+    It records (statically, in the tree definition) the dtype and shape of the param it
+    was made for, so that params cast, promoted or reshaped after `init` are caught by name.
+
+    Attributes:
+      dtype: the param's dtype name, or None.
+      shape: the param's shape, or None.
+    """
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: str | None = None, shape: tuple[int, ...] | None = None):
+        self.dtype, self.shape = dtype, shape
+
+    def tree_flatten_with_keys(self):
+        return (), (self.dtype, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del children
+        return cls(*aux)
+
+    def __eq__(self, other):
+        return isinstance(other, NoMaster) and (other.dtype, other.shape) == (
+            self.dtype,
+            self.shape,
+        )
+
+    def __hash__(self):
+        return hash((NoMaster, self.dtype, self.shape))
+
+    def __repr__(self):
+        return f"NoMaster({self.dtype!r}, {self.shape!r})"
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Remainder:
+    """The master of a bfloat16 param kept as the int16 low half of its float32 bits.
+
+    Attributes:
+      remainder: the int16 array (see `mpjax._src.scaling.remainder`).
+    """
+
+    __slots__ = ("remainder",)
+
+    def __init__(self, remainder: Any):
+        self.remainder = remainder
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("remainder"), self.remainder),), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+    def __repr__(self):
+        return f"Remainder({self.remainder!r})"
+
+
 def _is_masked(x: Any) -> bool:
-    return isinstance(x, _MASKED)
+    """Whether a master leaf keeps no master (`optax.MaskedNode` was the old spelling)."""
+    return isinstance(x, (NoMaster, optax.MaskedNode))
 
 
 def _is_remainder(m: Any) -> bool:
-    return not _is_masked(m) and m.dtype == jnp.int16
+    return isinstance(m, Remainder)
 
 
 def _wide(x: jax.Array) -> jax.Array:
@@ -46,11 +112,13 @@ def _keeps_master(p: Any, master_weights: bool | str) -> bool:
 
 
 def init_master(p: Any, master_weights: bool | str) -> Any:
-    """The master leaf of param `p`: a remainder, a float32 copy, or `MaskedNode()`."""
+    """The master leaf of param `p`: a `Remainder`, a float32 copy, or `NoMaster()`."""
     if not _keeps_master(p, master_weights):
-        return _MASKED()
+        if not hasattr(p, "dtype"):
+            return NoMaster()
+        return NoMaster(jnp.dtype(p.dtype).name, tuple(jnp.shape(p)))
     if master_weights == "remainder" and p.dtype == jnp.bfloat16:
-        return split_master(p.astype(jnp.float32))[1]  # zeros: a bf16 value is exact
+        return Remainder(split_master(p.astype(jnp.float32))[1])  # zeros: a bf16 is exact
     # Copy, so that a master never aliases a float32 param buffer.
     return jnp.array(_wide(p), copy=True)
 
@@ -60,10 +128,10 @@ def view(params: Any, master: Any) -> Any:
 
     def one(p, m):
         if not _is_floating(p):
-            return _MASKED()
+            return optax.MaskedNode()
         if _is_masked(m):
             return _wide(p)
-        return join_master(p, m) if _is_remainder(m) else m
+        return join_master(p, m.remainder) if _is_remainder(m) else m
 
     return jax.tree.map(one, params, master)
 
@@ -89,8 +157,9 @@ def next_master(ok: jax.Array, m: Any, value: jax.Array) -> Any:
     """The master leaf after a step: the new value where `ok`, else the old leaf."""
     if _is_masked(m):
         return m
-    new = split_master(value)[1] if _is_remainder(m) else value
-    return jnp.where(ok, new, m)
+    if _is_remainder(m):
+        return Remainder(jnp.where(ok, split_master(value)[1], m.remainder))
+    return jnp.where(ok, value, m)
 
 
 def master_params(opt_state: Any, params: Any) -> Any:
@@ -115,8 +184,10 @@ def master_params(opt_state: Any, params: Any) -> Any:
       >>> mpjax.master_params(tx.init(params), params)["w"].dtype
       dtype('float32')
     """
+    from mpjax._src.scaling.master_check import check_master
     from mpjax._src.scaling.state_helpers import find_loss_scaled_state
 
     master = find_loss_scaled_state(opt_state).master
+    check_master(params, master, None, "master_params")
     views = view(params, master)
     return jax.tree.map(lambda p, v: p if _is_masked(v) else v, params, views)

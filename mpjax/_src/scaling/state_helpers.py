@@ -21,19 +21,26 @@ __all__ = [
 ]
 
 
-def _unwrap(x: Any) -> Any:
-    """Unwraps a flax.nnx Variable (nnx.Optimizer stores opt_state leaves in them).
+def _is_flax_nnx(x: Any) -> bool:
+    """A flax.nnx object (nnx.Optimizer stores opt_state leaves in Variables), by its module.
 
-    Recognised by its protocol (`get_value`), so this layer does not import Flax.
+    Recognised by the class's module, so this layer does not import Flax. Never by duck
+    typing: a user's container may answer any attribute (the JAX training cookbook's
+    `dot_dict`, whose `__getattr__` is `__getitem__`, raises KeyError for `get_value`).
     """
-    if isinstance(x, jax.Array | np.ndarray | np.generic):
+    return any(c.__module__.startswith("flax.nnx") for c in type(x).__mro__)
+
+
+def _unwrap(x: Any) -> Any:
+    """The value of a flax.nnx Variable; anything else as it is."""
+    if not _is_flax_nnx(x):
         return x
     get_value = getattr(x, "get_value", None)
     if callable(get_value):
         return get_value()
-    if type(x).__module__.startswith("flax.nnx") and hasattr(x, "value"):
+    if hasattr(x, "value"):
         return x.value  # flax versions whose Variables have no get_value
-    return x
+    return x  # an nnx.State: a node
 
 
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
@@ -176,4 +183,5 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str | None = 
     if consecutive >= limit:
         scale = float(np.min(np.asarray(state.loss_scale.loss_scale)))
         source = f"mpjax.raise_if_diverged(max_consecutive_skips={max_consecutive_skips!r})"
-        raise TrainingDivergedError(diverged_message(consecutive, limit, scale, source))
+        floor = getattr(state.loss_scale, "min_scale", None)
+        raise TrainingDivergedError(diverged_message(consecutive, limit, scale, source, floor))
