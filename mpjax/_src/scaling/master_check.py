@@ -73,6 +73,18 @@ def _master_paths(master: Any) -> list[str]:
     return [jax.tree_util.keystr(k) for k, _ in flat]
 
 
+def _fits(built: tuple, now: tuple) -> bool:
+    """Whether params of shape `now` can belong to a state built for shape `built`.
+
+    Equal shapes, or a block of it (a shard inside `shard_map`, where a `NoMaster` built
+    outside still records the global shape), or another rank (a state built outside `vmap`,
+    used inside it): only a shape of the same rank that no sharding explains is refused.
+    """
+    if len(built) != len(now):
+        return True
+    return all((b == 0) if n == 0 else (b % n == 0) for b, n in zip(built, now, strict=True))
+
+
 def check_master(params: Any, master: Any, master_weights: Any, what: str) -> None:
     """Raises a ValueError naming the leaf, what the state holds and the fix, on a mismatch.
 
@@ -115,7 +127,7 @@ def check_master(params: Any, master: Any, master_weights: Any, what: str) -> No
         leaf = m.remainder if isinstance(m, Remainder) else m
         shape = getattr(leaf, "shape", None)
         if have in ("float", "remainder", "old-remainder", "none") and shape is not None:
-            if tuple(shape) != tuple(jnp.shape(p)):
+            if not _fits(tuple(shape), tuple(jnp.shape(p))):
                 raise ValueError(
                     f"{what}: param {name} has shape {tuple(jnp.shape(p))}, but the state was "
                     f"built for shape {tuple(shape)}: the params changed after tx.init; "
