@@ -281,15 +281,15 @@ def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-_OUTPUT_SCALARS = (bool, int, float, complex)
+_OUTPUT_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def _check_outputs(fun: Callable, out: Any, leaves: list) -> None:
     """Raises a TypeError naming `fun` and the output that is not an array (a str, None...)."""
-    if all(isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_OUTPUT_SCALARS)) for leaf in leaves):
+    if all(isinstance(leaf, _OUTPUT_TYPES) for leaf in leaves):
         return
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_OUTPUT_SCALARS)):
+        if not isinstance(leaf, _OUTPUT_TYPES):
             where = f"output{jax.tree_util.keystr(path)}" if path else "its output"
             name = getattr(fun, "__qualname__", None) or repr(fun)
             raise TypeError(
@@ -418,7 +418,9 @@ def autocast(
         region = jax.named_scope(REGION_SCOPE) if nested else contextlib.nullcontext()
         with region:
             outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
-            outs = [o if keep_wide and _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs]
+            outs = [
+                o if keep_wide and _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs
+            ]
         return jax.tree.unflatten(out_tree[0], outs)
 
     wrapped.policy = pol
