@@ -3,8 +3,9 @@
 A rule set maps selectors to policies. Selectors are
 - a module class: matches instances of it and of its subclasses;
 - a regex string: `re.fullmatch`-ed against the module's path relative to the module
-  `apply_policy` was called on, parts joined by "/" (e.g. `"encoder/layers_3/attn"`;
-  the root's path is `""`);
+  `apply_policy` was called on, as in its params tree, parts joined by "/" (e.g.
+  `"encoder/layers_3/attn"`; the root's path is `""`); one that matches no module is an
+  error (`check_path_rules`);
 - `"*"`: the default, the policy of the root when it has no rule of its own.
 
 Resolution for one module (most specific wins):
