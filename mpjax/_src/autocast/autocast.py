@@ -48,7 +48,9 @@ from mpjax._src.autocast.op_decisions import (
     FULL_DTYPE,
     OPAQUE,
     PEAK_REDUCTIONS,
+    SCATTER_REDUCTIONS,
     AutocastContext,
+    bind_scatter,
     continues_narrow,
     is_epilogue,
     lower_precision_op,
@@ -206,13 +208,15 @@ def _first_order(
     category = ctx.lists.category(name, params) if floats else None
     if name == "mul" and floats and eqn.invars[0] is eqn.invars[1]:
         category = "fp32"  # x * x of one value: a square (torch's pow)
-    if name in OPAQUE or any(True for _ in jaxprs_in_params(params)):
+    rebound = name in SCATTER_REDUCTIONS
+    if name in OPAQUE or (not rebound and any(True for _ in jaxprs_in_params(params))):
         return _as_traced(eqn, cast_in)
     if any(_wide(dtype_of(vals[i])) for i in floats) and not prim.multiple_results:
         # float64 is left alone, as torch.autocast does (only float32 is autocast).
         target = widest([dtype_of(vals[i]) for i in floats])
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
-        return [prim.bind(*vals, **params)], [out_origin]
+        out = bind_scatter(name, vals, params) if rebound else prim.bind(*vals, **params)
+        return [out], [out_origin]
 
     if category == "lower":
         fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
@@ -265,7 +269,7 @@ def _first_order(
         vals = [cast_in(i, target) if i in floats else v for i, v in enumerate(vals)]
     # Multiple-result primitives (optimization_barrier, sort, collectives over tuples, ...)
     # take independent operands: they pass through in the dtypes they arrive in.
-    out = prim.bind(*vals, **params)
+    out = bind_scatter(name, vals, params) if rebound else prim.bind(*vals, **params)
     outs = list(out) if prim.multiple_results else [out]
     return outs, [out_origin] * len(outs)
 
@@ -275,6 +279,24 @@ def _first_order(
 
 def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+_OUTPUT_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _check_outputs(fun: Callable, out: Any, leaves: list) -> None:
+    """Raises a TypeError naming `fun` and the output that is not an array (a str, None...)."""
+    if all(isinstance(leaf, _OUTPUT_TYPES) for leaf in leaves):
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, _OUTPUT_TYPES):
+            where = f"output{jax.tree_util.keystr(path)}" if path else "its output"
+            name = getattr(fun, "__qualname__", None) or repr(fun)
+            raise TypeError(
+                f"autocast: {name} returned {leaf!r} ({type(leaf).__name__}) as {where}; an "
+                "autocast function must return arrays (a pytree of arrays): return other "
+                "values from a function outside autocast, or register the type as a pytree"
+            )
 
 
 def autocast(
@@ -363,6 +385,9 @@ def autocast(
         if accumulation_dtype is None
         else as_float_dtype(accumulation_dtype, "autocast accumulation_dtype")
     )
+    # float64 is never autocast (as in torch), unless the policy itself names float64: then
+    # float64 was asked for, and the output dtype it names is honoured.
+    keep_wide = not any(_wide(d) for d in (pol.param_dtype, pol.compute_dtype, pol.output_dtype))
     ctx = AutocastContext(
         pol.compute_dtype, accum, lists, check_autocast_recipe(fp8), pol.reduce_dtype
     )
@@ -378,7 +403,9 @@ def autocast(
             for i, value in zip(dynamic, dyn, strict=True):
                 full[i] = value
             a, k = jax.tree.unflatten(treedef, full)
-            out_leaves, tree = jax.tree.flatten(fun(*a, **k))
+            out = fun(*a, **k)
+            out_leaves, tree = jax.tree.flatten(out)
+            _check_outputs(fun, out, out_leaves)
             out_tree.append(tree)
             return out_leaves
 
@@ -391,7 +418,9 @@ def autocast(
         region = jax.named_scope(REGION_SCOPE) if nested else contextlib.nullcontext()
         with region:
             outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
-            outs = [o if _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs]
+            outs = [
+                o if keep_wide and _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs
+            ]
         return jax.tree.unflatten(out_tree[0], outs)
 
     wrapped.policy = pol

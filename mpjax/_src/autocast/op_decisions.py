@@ -27,7 +27,9 @@ __all__ = [
     "FULL_DTYPE",
     "OPAQUE",
     "PEAK_REDUCTIONS",
+    "SCATTER_REDUCTIONS",
     "AutocastContext",
+    "bind_scatter",
     "continues_narrow",
     "is_epilogue",
     "lower_precision_op",
@@ -62,6 +64,25 @@ _POWERS = frozenset({"integer_pow", "square", "mul"})
 
 # Reductions whose result is a maximum or minimum (see `PEAK`).
 PEAK_REDUCTIONS = frozenset({"reduce_max", "reduce_min"})
+
+# Scatter reductions, rebound through their `lax` function so that the update computation
+# (a sub-jaxpr typed by the traced dtype) is rebuilt for the dtype they run in.
+SCATTER_REDUCTIONS = {
+    "scatter-add": lax.scatter_add,
+    "scatter-mul": lax.scatter_mul,
+}
+
+
+def bind_scatter(name: str, vals: list, params: dict):
+    """Binds the scatter reduction `name` on `vals` (operand, indices, updates)."""
+    return SCATTER_REDUCTIONS[name](
+        *vals,
+        dimension_numbers=params["dimension_numbers"],
+        indices_are_sorted=params["indices_are_sorted"],
+        unique_indices=params["unique_indices"],
+        mode=params["mode"],
+    )
+
 
 # First-order primitives bound with the operand dtypes they were traced with.
 OPAQUE = frozenset(

@@ -50,6 +50,10 @@ DEFAULT_FP32: frozenset[str] = frozenset(
         # reductions (softmax, norms, losses) and scans
         "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin",
         "cumsum", "cumprod", "cumlogsumexp", "cummax", "cummin",
+        # scatter reductions: a segment sum (jax.ops.segment_sum, GNN message aggregation)
+        # is a sum, not data movement (torch promotes scatter_add/index_put; a sum runs in
+        # float32 there, as here)
+        "scatter-add", "scatter-mul",
         # linear algebra and FFT (no low-precision kernels, ill-conditioned in bf16)
         "cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
         "householder_product", "triangular_solve", "tridiagonal", "tridiagonal_solve", "fft",

@@ -54,8 +54,21 @@ _KEYS = {
 }
 
 
+# The floating dtypes a policy may hold: fp8 runs through `Fp8Recipe` (scaled), never as a
+# plain cast, and float4/float6 formats are storage formats, not compute dtypes.
+POLICY_DTYPES = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
+
+
 def as_float_dtype(value: Any, what: str) -> np.dtype:
-    """Normalises `value` with `jnp.dtype` and refuses anything non-floating."""
+    """Normalises `value` with `jnp.dtype` and refuses anything non-floating.
+
+    `None` is refused too: `jnp.dtype(None)` is NumPy's default, float64.
+    """
+    if value is None:
+        raise ValueError(
+            f"{what}: None is not a dtype (NumPy would read it as float64); "
+            f"use one of {sorted(DTYPE_NAMES)}"
+        )
     if isinstance(value, str) and value.strip().lower() in DTYPE_NAMES:
         value = DTYPE_NAMES[value.strip().lower()]
     try:
@@ -68,6 +81,23 @@ def as_float_dtype(value: Any, what: str) -> np.dtype:
         raise ValueError(
             f"{what}: {dtype.name} is not a floating dtype; a policy holds floating "
             f"dtypes only ({sorted(DTYPE_NAMES)})"
+        )
+    return dtype
+
+
+def as_policy_dtype(value: Any, what: str) -> np.dtype:
+    """`as_float_dtype`, refusing the floating dtypes a policy cannot hold (fp8, fp4, ...)."""
+    dtype = as_float_dtype(value, what)
+    if dtype not in POLICY_DTYPES:
+        hint = (
+            "; fp8 GEMMs are configured with mpjax.fp8.Fp8Recipe (autocast(fp8=...), "
+            "apply_policy(fp8=...)), which scales operands before the cast"
+            if dtype.itemsize == 1
+            else ""
+        )
+        raise ValueError(
+            f"{what}: {dtype.name} cannot be a policy dtype; a policy holds "
+            f"{', '.join(d.name for d in POLICY_DTYPES)}{hint}"
         )
     return dtype
 
@@ -162,7 +192,9 @@ class Policy:
     """A mixed-precision policy: the dtypes of parameters, computation and outputs.
 
     Frozen and hashable, so it can be a static argument of `jax.jit`. Dtypes are
-    normalised with `jnp.dtype`; non-floating dtypes are refused.
+    normalised with `jnp.dtype`; `None` (NumPy's float64), non-floating dtypes and the
+    floating dtypes a policy cannot hold (fp8: see `mpjax.fp8.Fp8Recipe`) are refused with
+    a `ValueError` naming the field.
 
     Attributes:
       param_dtype: dtype parameters are stored in.
@@ -190,7 +222,7 @@ class Policy:
             value = getattr(self, field)
             if field == "reduce_dtype" and value is None:
                 continue
-            object.__setattr__(self, field, as_float_dtype(value, f"Policy.{field}"))
+            object.__setattr__(self, field, as_policy_dtype(value, f"Policy.{field}"))
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating leaves of `tree` to `param_dtype`; other leaves pass through."""

@@ -26,7 +26,8 @@ def apply_policy(
 
     `policy` is a `Policy`, a spec string, or a `{selector: policy}` mapping whose
     selectors are module classes (subclasses match), regexes `re.fullmatch`-ed against
-    the module path (`"encoder/layers_3/attn"`; the root is `""`) or `"*"`. A module's
+    the module path as in the params tree (`"encoder/layers_3/attn"`, `"layers_0"` in a
+    wrapped `nn.Sequential`; the root is `""`) or `"*"`. A module's
     own path rule beats its class rule, which beats its parent's policy; the root
     falls back to `"*"`. Then `defaults` keep normalisation layers, attention softmax
     and the final logits in float32 under low-precision compute (see `Defaults`).
@@ -60,7 +61,9 @@ def apply_policy(
     Raises:
       TypeError: `module` is not a Flax module; a selector is not a module class of
         the same framework, a string, or `"*"`.
-      ValueError: an invalid regex or policy spec, naming the selector; at call time,
+      ValueError: an invalid regex or policy spec, naming the selector; a path rule that
+        matches no module, naming it and listing the module paths (NNX: here; linen: at the
+        first `init`/`apply`, when the module tree is known); at call time,
         a module matched by two rules of the same kind, naming both; `fp8` with a
         current-scaling recipe (use `autocast`), or a Dense/Linear with its own
         `dot_general` that no `exclude` pattern excludes.

@@ -51,7 +51,14 @@ from mpjax._src.flax.float32_only import (
     naming_float32_only_ops,
 )
 from mpjax._src.flax.fp8_linen import DelayedFp8, delayed_fp8_override
-from mpjax._src.flax.rules import Resolved, Rules, field_overrides, parse_rules, resolve
+from mpjax._src.flax.rules import (
+    Resolved,
+    Rules,
+    check_path_rules,
+    field_overrides,
+    parse_rules,
+    resolve,
+)
 
 __all__ = [
     "PolicyModule",
@@ -153,14 +160,16 @@ class _Interceptor:
         self.fp8 = fp8
         self.defaults = defaults
         self.root = root
-        self.root_path = root.scope.path
+        self.root_path = scope_path(root.scope, {})
+        # scope.path as Flax recorded it -> the path in the variable tree (see `scope_path`)
+        self.true_paths: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.resolved: dict[tuple[type, tuple[str, ...]], Resolved | None] = {}
         self.by_path: dict[tuple[str, ...], Resolved | None] = {}
         self.cast_done: dict[int, tuple] = {}  # id(scope variables) -> (it, uncast params)
         self.stack: list[nn.Module] = []
 
     def rel_path(self, module: nn.Module) -> tuple[str, ...] | None:
-        path = module.scope.path
+        path = scope_path(module.scope, self.true_paths)
         n = len(self.root_path)
         return path[n:] if path[:n] == self.root_path else None
 
@@ -180,9 +189,19 @@ class _Interceptor:
                 and self.rel_path(up) is not None
             ):
                 parent = self.resolve(up)
+            elif path in self.by_path:
+                # A clone made by a lifted transform (nn.vmap, nn.scan, nn.remat, ...) is
+                # parented by a bare Scope at the path of the lifted module that made it: it
+                # is that module, in the variable tree and for the rules (a lifted root too).
+                res = self.by_path[path]
+                self.resolved[key] = res
+                return res
+            elif not path:
+                # The clone a lifted root (`nn.vmap(Net, ...)`) runs its code in; the
+                # lifted root's own call is not intercepted.
+                is_root = True
             else:
-                # Clones made by lifted transforms (nn.scan, nn.remat, ...) are parented by
-                # a bare Scope: take the nearest ancestor resolved so far in this call.
+                # Otherwise take the nearest ancestor resolved so far in this call.
                 for k in range(len(path) - 1, -1, -1):
                     if path[:k] in self.by_path:
                         parent = self.by_path[path[:k]]
@@ -333,6 +352,44 @@ class _Interceptor:
         return new
 
 
+def scope_path(scope: Any, true_paths: dict) -> tuple[str, ...]:
+    """The path of `scope`'s variables in the variable tree, parts as in the params dict.
+
+    `Scope.path` is not always that path: `nn.share_scope` (which `PolicyModule` uses to
+    share its variables with the wrapped module) re-parents the scopes of submodules bound
+    before it (an `nn.Sequential`'s layers, a submodule passed in as an attribute) without
+    changing their recorded path (`("module", "layers_0")` for the params' `layers_0`).
+    The parent chain is right; a lifted transform's inner scope has no parent but copies
+    the recorded path of its outer scope, mapped back through `true_paths` (filled here
+    for every scope with a parent chain).
+    """
+    names = []
+    top = scope
+    while top.parent is not None:
+        names.append(top.name)
+        top = top.parent
+    path = true_paths.get(tuple(top.path), tuple(top.path)) + tuple(reversed(names))
+    if names:
+        true_paths[tuple(scope.path)] = path
+    return path
+
+
+def variable_paths(variables: Mapping) -> set[str]:
+    """The "/"-joined paths of the modules holding `variables` (every collection)."""
+    out = set()
+
+    def walk(tree: Mapping, prefix: tuple) -> None:
+        out.add("/".join(prefix))
+        for name, value in tree.items():
+            if isinstance(value, Mapping):
+                walk(value, (*prefix, str(name)))
+
+    for collection in variables.values():
+        if isinstance(collection, Mapping):
+            walk(collection, ())
+    return out
+
+
 def rewind(module: nn.Module) -> None:
     """Lets a module's method run again inside the same call, as Flax does between calls.
 
@@ -380,12 +437,18 @@ class PolicyModule(nn.Module):
         `method` is None (`__call__`), a method name, or a function taking the module.
         """
         inner = self.module
-        with nn.intercept_methods(_Interceptor(self.rules, self.defaults, inner, self.fp8)):
+        interceptor = _Interceptor(self.rules, self.defaults, inner, self.fp8)
+        with nn.intercept_methods(interceptor):
             if method is None:
-                return inner(*args, **kwargs)
-            if isinstance(method, str):
-                return getattr(inner, method)(*args, **kwargs)
-            return _unbound(method)(inner, *args, **kwargs)
+                out = inner(*args, **kwargs)
+            elif isinstance(method, str):
+                out = getattr(inner, method)(*args, **kwargs)
+            else:
+                out = _unbound(method)(inner, *args, **kwargs)
+        if self.rules.path_rules:
+            ran = {"/".join(path) for path in interceptor.by_path}
+            check_path_rules(self.rules, ran | variable_paths(self.variables), type(inner).__name__)
+        return out
 
     @staticmethod
     def _outer_method(method: Any) -> Any:

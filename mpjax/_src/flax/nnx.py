@@ -54,7 +54,7 @@ from mpjax._src.flax.fp8_linen import DelayedFp8
 from mpjax._src.flax.fp8_nnx import nnx_delayed_override, plan_nnx_fp8, set_nnx_fp8
 from mpjax._src.flax.nnx_attention import float32_softmax_attention
 from mpjax._src.flax.nnx_snapshot import NnxSnapshot
-from mpjax._src.flax.rules import field_overrides, parse_rules, resolve
+from mpjax._src.flax.rules import check_path_rules, field_overrides, parse_rules, resolve
 
 __all__ = ["apply_nnx_policy", "float32_softmax_attention", "module_policies"]
 
@@ -348,6 +348,7 @@ def apply_nnx_policy(
         resolved[path] = res
         site = plan_nnx_fp8(module, f"{root_name}/{text}", fp8 if res is not None else None)
         plans.append((module, base, text, res, site))
+    check_path_rules(rules, [text for _, _, text, _, _ in plans], root_name)
     for module, base, text, res, site in plans:
         set_nnx_fp8(module, site)
         if res is None or isinstance(module, _CONTAINERS):

@@ -3,8 +3,9 @@
 A rule set maps selectors to policies. Selectors are
 - a module class: matches instances of it and of its subclasses;
 - a regex string: `re.fullmatch`-ed against the module's path relative to the module
-  `apply_policy` was called on, parts joined by "/" (e.g. `"encoder/layers_3/attn"`;
-  the root's path is `""`);
+  `apply_policy` was called on, as in its params tree, parts joined by "/" (e.g.
+  `"encoder/layers_3/attn"`; the root's path is `""`); one that matches no module is an
+  error (`check_path_rules`);
 - `"*"`: the default, the policy of the root when it has no rule of its own.
 
 Resolution for one module (most specific wins):
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import re
 from collections.abc import Mapping
@@ -42,7 +44,15 @@ from mpjax._src.core.policy import Policy, get_policy
 from mpjax._src.core.reduce_dot import reduce_dot_general
 from mpjax._src.flax.defaults import Defaults
 
-__all__ = ["Resolved", "Rule", "Rules", "field_overrides", "parse_rules", "resolve"]
+__all__ = [
+    "Resolved",
+    "Rule",
+    "Rules",
+    "check_path_rules",
+    "field_overrides",
+    "parse_rules",
+    "resolve",
+]
 
 DEFAULT_SELECTOR = "*"
 
@@ -181,6 +191,37 @@ def match(rules: Rules, cls: type, path: str) -> Rule | None:
         return hits[0]
     classes = [r for r in rules.class_rules if issubclass(cls, r.selector)]
     return _most_derived(cls, path, classes) if classes else None
+
+
+def check_path_rules(rules: Rules, paths: Any, model: str) -> None:
+    """Raises if a path rule matches none of `paths` (a typo would otherwise do nothing).
+
+    Only the user's path rules are checked: a class rule naming a class the model does
+    not use is legitimate (one rule set for a family of models), and the `Defaults` lists
+    are not rules.
+
+    Args:
+      rules: the parsed rules.
+      paths: every module path of the model ("/"-joined, `""` for the root).
+      model: the model's name, for the message.
+
+    Raises:
+      ValueError: naming the first rule that matches nothing and listing the paths.
+    """
+    paths = sorted(set(paths))
+    for rule in rules.path_rules:
+        if any(rule.pattern.fullmatch(p) for p in paths):
+            continue
+        shown = [p for p in paths if p][:40]
+        more = f", ... ({len(paths) - 1} in all)" if len(paths) - 1 > len(shown) else ""
+        close = difflib.get_close_matches(rule.selector, shown, n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"apply_policy: path rule {rule.selector!r} matches no module of {model} (paths "
+            "are relative to the wrapped model, as in its params tree, parts joined by '/', "
+            f"matched with re.fullmatch); its module paths are: {', '.join(shown) or '(none)'}"
+            f"{more}{hint}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,64 @@ def _fp8_dtype(value: Any, field: str) -> np.dtype:
     return dtype
 
 
+def _choice(value: Any, field: str, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"Fp8Recipe: {field}={value!r}; expected one of {choices}")
+
+
+def _integer(value: Any, field: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"Fp8Recipe: {field}={value!r} must be an int")
+    return int(value)
+
+
+def _flag(value: Any, field: str) -> bool | None:
+    """A bool (NumPy's too) or, for `power_of_two_scale`, None; anything else is refused."""
+    if value is None and field == "power_of_two_scale":
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        allowed = "True, False or None (the default)" if field == "power_of_two_scale" else "a bool"
+        hint = f" (a non-empty string such as {value!r} would read as True)" if value else ""
+        raise TypeError(f"Fp8Recipe: {field}={value!r} must be {allowed}{hint}")
+    return bool(value)
+
+
+def _max_margin(dtype: np.dtype) -> int:
+    """The largest margin that keeps the amax at or above `dtype`'s smallest normal."""
+    info = jnp.finfo(dtype)
+    return int(np.floor(np.log2(float(info.max) / float(info.smallest_normal))))
+
+
+def _margin(value: Any, *dtypes: np.dtype) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"Fp8Recipe: margin={value!r} must be a number (a power-of-two exponent)")
+    margin = float(value)
+    bound = min(_max_margin(d) for d in dtypes)
+    if not np.isfinite(margin) or margin < 0 or margin > bound:
+        raise ValueError(
+            f"Fp8Recipe: margin={value!r} must be finite and in [0, {bound}]: scales are "
+            f"divided by 2**margin, and beyond {bound} the amax itself lands below the "
+            f"smallest normal {' / '.join(d.name for d in dtypes)} value (0 is TE's and "
+            "torchao's default; 1 or 2 is usual headroom)"
+        )
+    return margin
+
+
+def _patterns(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    try:
+        patterns = tuple(value)
+    except TypeError:
+        patterns = None
+    if patterns is None or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(
+            f"Fp8Recipe: exclude={value!r} must be a str or a sequence of str fnmatch "
+            "patterns on op names, e.g. exclude=('*/head',)"
+        )
+    return patterns
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
     """How GEMMs run in float8: a frozen, hashable config (like TE's `DelayedScaling`).
@@ -112,8 +170,11 @@ class Fp8Recipe:
         and NVFP4). Ignored by the other scalings.
 
     Raises:
-      ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a negative
-        margin, a history length below 1 or a `min_dim` below 16, naming the field.
+      ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a margin
+        outside `[0, 14]` (the bound of float8_e4m3fn: beyond it the amax falls below the
+        smallest normal), a history length below 1 or a `min_dim` below 16, naming the field.
+      TypeError: a field of the wrong type (a string margin, `power_of_two_scale="no"`,
+        `exclude=5` or a list of non-strings), naming the field and its value.
 
     Example:
       >>> from mpjax import Fp8Recipe
@@ -137,40 +198,33 @@ class Fp8Recipe:
     block_lowering: str = "auto"
 
     def __post_init__(self):
-        if self.block_lowering not in _BLOCK_LOWERINGS:
+        _choice(self.scaling, "scaling", _SCALINGS)
+        _choice(self.block_lowering, "block_lowering", _BLOCK_LOWERINGS)
+        _choice(self.amax_compute, "amax_compute", _AMAX_COMPUTE)
+        _choice(self.convs, "convs", _CONVS)
+        forward = _fp8_dtype(self.forward_dtype, "forward_dtype")
+        backward = _fp8_dtype(self.backward_dtype, "backward_dtype")
+        object.__setattr__(self, "forward_dtype", forward)
+        object.__setattr__(self, "backward_dtype", backward)
+        history = _integer(self.amax_history_len, "amax_history_len")
+        if history < 1:
+            raise ValueError(f"Fp8Recipe: amax_history_len={history} must be at least 1")
+        object.__setattr__(self, "amax_history_len", history)
+        object.__setattr__(self, "margin", _margin(self.margin, forward, backward))
+        for field in ("power_of_two_scale", "high_precision_grad_weight"):
+            object.__setattr__(self, field, _flag(getattr(self, field), field))
+        min_dim = _integer(self.min_dim, "min_dim")
+        if min_dim < 16:
             raise ValueError(
-                f"Fp8Recipe: block_lowering={self.block_lowering!r}; expected one of "
-                f"{_BLOCK_LOWERINGS}"
+                f"Fp8Recipe: min_dim={min_dim} must be >= 16 (fp8 GEMM sizes are multiples of 16)"
             )
-        if self.scaling not in _SCALINGS:
-            raise ValueError(f"Fp8Recipe: scaling={self.scaling!r}; expected one of {_SCALINGS}")
-        if self.amax_compute not in _AMAX_COMPUTE:
-            raise ValueError(
-                f"Fp8Recipe: amax_compute={self.amax_compute!r}; expected one of {_AMAX_COMPUTE}"
-            )
-        object.__setattr__(self, "forward_dtype", _fp8_dtype(self.forward_dtype, "forward_dtype"))
-        object.__setattr__(
-            self, "backward_dtype", _fp8_dtype(self.backward_dtype, "backward_dtype")
-        )
-        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
-            raise ValueError(
-                f"Fp8Recipe: amax_history_len={self.amax_history_len!r} must be an int"
-            )
-        if self.amax_history_len < 1:
-            raise ValueError(
-                f"Fp8Recipe: amax_history_len={self.amax_history_len} must be at least 1"
-            )
-        if not np.isfinite(self.margin) or self.margin < 0:
-            raise ValueError(f"Fp8Recipe: margin={self.margin} must be finite and >= 0")
-        if not isinstance(self.min_dim, int) or self.min_dim < 16:
-            raise ValueError(f"Fp8Recipe: min_dim={self.min_dim!r} must be an int >= 16")
-        if isinstance(self.exclude, str):
-            object.__setattr__(self, "exclude", (self.exclude,))
-        object.__setattr__(self, "exclude", tuple(self.exclude))
-        if self.convs not in _CONVS:
-            raise ValueError(f"Fp8Recipe: convs={self.convs!r}; expected one of {_CONVS}")
+        object.__setattr__(self, "min_dim", min_dim)
+        object.__setattr__(self, "exclude", _patterns(self.exclude))
         if self.exclude_if is not None and not callable(self.exclude_if):
-            raise ValueError("Fp8Recipe: exclude_if must be callable or None")
+            raise TypeError(
+                f"Fp8Recipe: exclude_if={self.exclude_if!r} must be a callable taking an "
+                "Fp8Site (True keeps the op in the compute dtype), or None"
+            )
 
     @property
     def power_of_two(self) -> bool:

@@ -49,6 +49,11 @@ def format_range(name: str) -> FormatRange:
         info = ml_dtypes.finfo(dtype)
     except (TypeError, ValueError) as err:
         raise ValueError(f"mpjax.numerics: {name!r} is not a floating-point format") from err
+    if dtype.itemsize > 8:  # np.dtype("f16") is NumPy's 16-byte long double, not float16
+        raise ValueError(
+            f"mpjax.numerics: {name!r} is {dtype.name}, not a format of float64 or narrower; "
+            "write 'float16' for IEEE half precision"
+        )
     sub = float(info.smallest_subnormal)
     tiny = float(info.smallest_normal)
     top = float(info.max)

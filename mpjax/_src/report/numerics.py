@@ -10,13 +10,14 @@ only the small statistics come to the host: nothing is gathered.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._src.core.policy import DTYPE_NAMES
 from mpjax._src.report.formats import FormatRange, format_range
 from mpjax._src.report.fp8_meta import Fp8TensorMeta, fp8_meta_records
 
@@ -195,10 +196,37 @@ class Numerics:
     fp8: tuple[Fp8TensorMeta, ...] = ()  # the delayed-fp8 sites' scales, histories, headroom
 
     def __getitem__(self, path: str) -> TensorNumerics:
+        if not isinstance(path, str):
+            raise TypeError(
+                f"mpjax.numerics: a result is indexed by leaf path (a str), got {path!r}; "
+                "iterate it (or call .keys()) for the paths, or use .records for the list"
+            )
         for r in self.records:
             if r.path == path:
                 return r
         raise KeyError(f"mpjax.numerics: no leaf {path!r}; paths: {[r.path for r in self.records]}")
+
+    def __iter__(self) -> Iterator[str]:
+        """The leaf paths, in tree order (as iterating a Mapping gives its keys)."""
+        return (r.path for r in self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __contains__(self, path: object) -> bool:
+        return any(r.path == path for r in self.records)
+
+    def keys(self) -> list[str]:
+        """The leaf paths, in tree order."""
+        return [r.path for r in self.records]
+
+    def values(self) -> list[TensorNumerics]:
+        """The records, in tree order."""
+        return list(self.records)
+
+    def items(self) -> list[tuple[str, TensorNumerics]]:
+        """`(path, record)` pairs, in tree order."""
+        return [(r.path, r) for r in self.records]
 
     def to_dict(self) -> dict:
         """The records as plain dicts (JSON-ready)."""
@@ -248,6 +276,26 @@ class Numerics:
         return "\n".join(line.rstrip() for line in lines)
 
 
+def _format_names(formats: Any) -> tuple[str, ...]:
+    """`formats` as a tuple of dtype names; one name or dtype is one format."""
+    if isinstance(formats, str) or not isinstance(formats, Iterable):
+        formats = (formats,)
+    names = []
+    for f in formats:
+        if isinstance(f, str):
+            alias = DTYPE_NAMES.get(f.strip().lower())  # "f16", "bf16", ... as in a policy
+            names.append(jnp.dtype(alias).name if alias is not None else f)
+            continue
+        try:
+            names.append(np.dtype(f).name)
+        except TypeError as e:
+            raise TypeError(
+                f"mpjax.numerics: formats={formats!r}: {f!r} is not a dtype or dtype name; "
+                "pass names such as 'float16' or ('float16', 'float8_e4m3fn')"
+            ) from e
+    return tuple(names)
+
+
 def numerics(
     tree: Any, formats: Sequence[str] = DEFAULT_FORMATS, *, fp8_recipe: Any = None
 ) -> Numerics:
@@ -256,7 +304,8 @@ def numerics(
     Args:
       tree: a pytree of concrete arrays (gradients, activations from `capture_intermediates`,
         fp8 inputs); a sharded `jax.Array` is reduced on its devices, never gathered.
-      formats: floating-point dtype names to check the values against.
+      formats: floating-point dtype names (or dtypes) to check the values against; one
+        name means one format.
       fp8_recipe: the `Fp8Recipe` of the delayed-fp8 sites in `tree` (their formats; the
         default recipe's when None). Each site also gets `Fp8TensorMeta` records in `.fp8`.
 
@@ -270,7 +319,7 @@ def numerics(
       >>> n["g"].zeros, n["g"].underflow["float16"], n["g"].overflow["float16"]
       (0.25, 0.3333333333333333, 0.3333333333333333)
     """
-    ranges = tuple(format_range(f) for f in formats)
+    ranges = tuple(format_range(f) for f in _format_names(formats))
     names = tuple(r.name for r in ranges)
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     records = []
