@@ -11,6 +11,7 @@ from mpjax._src.scaling.config import default_max_consecutive_skips
 from mpjax._src.scaling.diagnostics import TrainingDivergedError, diverged_message
 from mpjax._src.scaling.loss_scale import NoOpLossScale
 from mpjax._src.scaling.loss_scaled import LossScaledState
+from mpjax._src.scaling.scopes import LOSS_SCALING_SCOPE
 
 __all__ = [
     "find_loss_scaled_state",
@@ -95,7 +96,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
       >>> jax.grad(lambda p: scale_loss(jnp.sum(p["w"]), opt_state))(params)["w"]
       Array([32768., 32768.], dtype=float32)
     """
-    return find_loss_scaled_state(opt_state).loss_scale.scale(loss)
+    with jax.named_scope(LOSS_SCALING_SCOPE):
+        return find_loss_scaled_state(opt_state).loss_scale.scale(loss)
 
 
 def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
