@@ -11,11 +11,13 @@ from mpjax._src.scaling.config import default_max_consecutive_skips
 from mpjax._src.scaling.diagnostics import TrainingDivergedError, diverged_message
 from mpjax._src.scaling.loss_scale import NoOpLossScale
 from mpjax._src.scaling.loss_scaled import LossScaledState
+from mpjax._src.scaling.master import _is_masked, view
 from mpjax._src.scaling.scopes import LOSS_SCALING_SCOPE
 
 __all__ = [
     "find_loss_scaled_state",
     "get_loss_scale",
+    "master_params",
     "raise_if_diverged",
     "scale_loss",
     "scaling_metrics",
@@ -179,3 +181,30 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str | None = 
         scale = float(np.min(np.asarray(state.loss_scale.loss_scale)))
         source = f"mpjax.raise_if_diverged(max_consecutive_skips={max_consecutive_skips!r})"
         raise TrainingDivergedError(diverged_message(consecutive, limit, scale, source))
+
+
+def master_params(opt_state: Any, params: Any) -> Any:
+    """The float32 master weights of `params`, whatever `loss_scaled`'s `master_weights` mode.
+
+    The master where one is kept (rebuilt bit for bit from the bfloat16 param and its
+    remainder with `master_weights="remainder"`), the param widened to float32 where not;
+    non-floating leaves pass through. For evaluation in float32, export and tests.
+
+    Args:
+      opt_state: an optimizer state holding a `loss_scaled` state anywhere.
+      params: the params that state belongs to (the ones `tx.update` was last given,
+        updated).
+
+    Returns:
+      A pytree like `params`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, mpjax
+      >>> params = {"w": jnp.ones((2,), jnp.bfloat16)}
+      >>> tx = mpjax.loss_scaled(optax.sgd(1e-3), master_weights="remainder")
+      >>> mpjax.master_params(tx.init(params), params)["w"].dtype
+      dtype('float32')
+    """
+    master = find_loss_scaled_state(opt_state).master
+    views = view(params, master)
+    return jax.tree.map(lambda p, v: p if _is_masked(v) else v, params, views)
