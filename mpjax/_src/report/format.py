@@ -66,9 +66,9 @@ def cpu_note(report) -> str | None:
     if report.memory.roofline_s is not None:
         return None
     return (
-        f"On {report.target}, the dtypes asked for, the FLOPs, converts, collectives and "
-        "memory are this compiled program's; XLA:CPU runs float16/bfloat16 GEMMs in float32 "
-        "('runs as') and has no GPU time model (roofline n/a). Compile for target='h100' "
+        f"On {report.target}: the dtypes asked for, FLOPs, converts, collectives and memory "
+        "are this compiled program's.\nXLA:CPU runs float16/bfloat16 GEMMs in float32 "
+        "('runs as') and has no GPU time model (roofline n/a): compile for target='h100' "
         "to see what a GPU runs."
     )
 
