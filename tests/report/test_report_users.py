@@ -14,6 +14,7 @@ import pytest
 import mpjax
 from mpjax._src.analysis import hlo_cost
 from mpjax._src.report.build import UNNAMED
+from mpjax._src.report.format import human
 from mpjax._src.report.paths import LOSS_SCALING, OPTIMIZER
 from tests.helpers.report import loss_scaled_step
 
@@ -51,6 +52,9 @@ def test_headline_numbers_are_the_converts_total_row(step_and_report):
     text = str(r)
     assert re.search(rf"^total\s+{count}\s+{kernels}$", text, re.M), text
     assert f"| total | {count} | {kernels} |" in r.to_markdown()
+    flops = human(sum(g.flops for g in r.gemms), "FLOP")
+    assert r.summary().startswith(f"{flops} of GEMMs in float16")
+    assert re.search(rf"^total\s+{flops}$", text, re.M), text
 
 
 def test_a_cpu_report_says_what_it_cannot_tell(step_and_report):

@@ -92,13 +92,16 @@ def _gemm_rows(report) -> list[list[str]]:
                 [path, g.kind, g.direction, asks, _short(g.runs_as), human(g.flops, "FLOP")]
                 + ["float32!" if g.flagged else ("fp8" if g.runs_fp8 else "")]
             )
+    if rows:  # the headline's total
+        rows.append(["total", "", "", "", "", human(sum(g.flops for g in report.gemms), "FLOP")])
+        rows[-1].append("")
     return rows
 
 
 def _tables(report) -> list[tuple[str, list[str], list[list[str]]]]:
     m = report.memory
     memory = [[human(m.temp_bytes, "B"), human(m.argument_bytes, "B"), human(m.output_bytes, "B")]]
-    memory[0].append("n/a on cpu" if m.roofline_s is None else f"{m.roofline_s * 1e3:.4g} ms")
+    memory[0].append("n/a on cpu" if m.roofline_s is None else f"{m.roofline_s * 1e3:.3g} ms")
     return [
         (
             "GEMMs",
