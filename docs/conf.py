@@ -7,6 +7,8 @@ Build, warnings as errors, from the repository root:
 
 from __future__ import annotations
 
+import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -47,6 +49,14 @@ default_role = "py:obj"
 autosummary_generate = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+# Public names of types whose runtime class lives in a private module: signatures (the modules
+# annotate with `from __future__ import annotations`, so autodoc looks the strings up here) and
+# the attribute types napoleon reads from class annotations (`_public_type_names`).
+autodoc_type_aliases = {"jax.Array": "jax.Array", "jax.export.Exported": "jax.export.Exported"}
+PUBLIC_TYPE_NAMES = {
+    "jax.jaxlib._jax.Array": "jax.Array",
+    "jax._src.export._export.Exported": "jax.export.Exported",
+}
 autodoc_default_options = {"members": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -55,3 +65,45 @@ add_module_names = False
 html_theme = "furo"
 html_title = f"mpjax {release}"
 html_static_path = ["_static"]
+
+
+_PRIVATE_TYPE = re.compile(r"\bmpjax\._src\.[\w.]*\.(\w+)\b")
+_PUBLIC_MODULES = ("mpjax", "mpjax.policy", "mpjax.scaling", "mpjax.fp8", "mpjax.nn")
+
+
+def public_type(text: str) -> str:
+    """`text` with each private type name replaced by its public one.
+
+    `jax.jaxlib._jax.Array` -> `jax.Array`; `mpjax._src.scaling.loss_scale.LossScale` ->
+    `mpjax.LossScale` (the first public module exporting it), or `LossScale` when none does.
+    """
+    for private, public in PUBLIC_TYPE_NAMES.items():
+        text = text.replace(private, public)
+
+    def public_name(m: re.Match) -> str:
+        for module in _PUBLIC_MODULES:
+            if m.group(1) in getattr(importlib.import_module(module), "__all__", ()):
+                return f"{module}.{m.group(1)}"
+        return m.group(1)
+
+    return _PRIVATE_TYPE.sub(public_name, text)
+
+
+def _public_type_names(app, what, name, obj, options, lines):
+    """The attribute types napoleon wrote (`:type:` lines), by their public names."""
+    for i, line in enumerate(lines):
+        if ":type:" in line:
+            lines[i] = public_type(line)
+
+
+def _public_signature(app, what, name, obj, options, signature, return_annotation):
+    """A signature's types by their public names."""
+    return (
+        public_type(signature) if signature else signature,
+        public_type(return_annotation) if return_annotation else return_annotation,
+    )
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _public_type_names, priority=600)  # after napoleon
+    app.connect("autodoc-process-signature", _public_signature)

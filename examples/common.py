@@ -357,10 +357,12 @@ def plot_runs(results: Sequence[RunResult], path: str | Path, title: str) -> Pat
     ax_scale.set_xlabel("step")
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_yscale("log", base=2)
-    if unscaled:
-        ax_scale.set_title(f"no loss scaling (scale 1): {', '.join(unscaled)}", fontsize=9)
-    if ax_scale.lines:
-        ax_scale.legend()
+    scaled = [name for name in order if name not in unscaled]
+    ax_scale.set_title(f"loss scale: {', '.join(scaled) or 'none'}", fontsize=9)
+    if unscaled:  # a legend entry: the panel plots only the precisions that scale
+        note = f"{', '.join(unscaled)}: no loss scaling (scale 1)"
+        ax_scale.plot([], [], " ", label=note)
+    ax_scale.legend()
     ax_scale.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

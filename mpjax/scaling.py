@@ -20,11 +20,11 @@ from mpjax._src.scaling.loss_scale import (
 )
 from mpjax._src.scaling.loss_scaled import LossScaledState, loss_scaled
 from mpjax._src.scaling.low_precision import LowPrecisionState, low_precision_state
-from mpjax._src.scaling.master import master_params
 from mpjax._src.scaling.migrate import loss_scale_from_flax, with_loss_scale, with_master_weights
 from mpjax._src.scaling.state_helpers import (
     find_loss_scaled_state,
     get_loss_scale,
+    master_params,
     raise_if_diverged,
     scale_loss,
     scaling_metrics,

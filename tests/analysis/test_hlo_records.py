@@ -93,3 +93,35 @@ def test_operands_after_the_fifth_keep_their_bytes():
     # XLA prints `/*index=5*/` before the sixth operand; it must still count.
     (kernel,) = hlo_cost.analyze(SIX).kernels
     assert kernel.bytes == 5 * 8 * 4 + 1024 * 4 + 8 * 4
+
+
+UNNAMED_CONVERTS = """HloModule m
+
+%fused_convert (param_0: f16[4]) -> f32[4] {
+  %param_0 = f16[4]{0} parameter(0)
+  ROOT %convert.1 = f32[4]{0} convert(%param_0)
+}
+
+ENTRY %main (p: f16[4], q: f16[4]) -> (f32[4], f32[4]) {
+  %p = f16[4]{0} parameter(0), metadata={op_name="params['w']"}
+  %q = f16[4]{0} parameter(1)
+  %neg = f16[4]{0} negate(%p), metadata={op_name="jit(step)/Dense_0/neg"}
+  %convert.2 = f32[4]{0} convert(%neg)
+  %wrapped = f32[4]{0} fusion(%q), kind=kLoop, calls=%fused_convert, metadata={op_name="jit(step)/head/convert_element_type"}
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%convert.2, %wrapped)
+}
+"""
+
+
+def test_a_convert_xla_made_counts_for_the_code_it_reads():
+    report = hlo_cost.analyze(UNNAMED_CONVERTS)
+    # the entry convert reads `neg` (Dense_0); the fused one only a parameter: its kernel's name
+    assert report.converts_by_op == {
+        "jit(step)/Dense_0/neg": 1,
+        "jit(step)/head/convert_element_type": 1,
+    }
+    names = {k.name: k.op_name for k in report.kernels if k.only_converts}
+    assert names == {
+        "convert.2": "jit(step)/Dense_0/neg",
+        "wrapped": "jit(step)/head/convert_element_type",
+    }

@@ -91,3 +91,30 @@ def fp8_step(exclude: str = "*/head"):
         return jax.grad(loss)(variables)
 
     return step, variables, x
+
+
+def loss_scaled_step(compute: str = "float16"):
+    """(plain training step, params, opt_state) of a small MLP under `mpjax.loss_scaled`.
+
+    The step a user writes: policy-wrapped model, `scale_loss`, `tx.update`, `apply_updates`.
+    """
+    import optax
+
+    model = mpjax.apply_policy(
+        nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(1)]), f"p=f32,c={compute},o=f32"
+    )
+    x = jnp.linspace(-1.0, 1.0, 64 * 8, dtype=jnp.float32).reshape(64, 8)
+    y = jnp.sin(x.sum(axis=1, keepdims=True))
+    params = model.init(jax.random.key(1), x)["params"]
+    tx = mpjax.loss_scaled(optax.adam(1e-2))
+
+    def step(params, opt_state):
+        def loss_fn(p):
+            loss = jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+            return mpjax.scale_loss(loss, opt_state), loss
+
+        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, params, tx.init(params)

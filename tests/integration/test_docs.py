@@ -8,6 +8,7 @@ temporary folder and the test reads the built inventory (`objects.inv`).
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,51 @@ def test_every_public_name_has_an_api_entry(built_docs):
     for module in PUBLIC_MODULES:
         assert module in inventory, f"no API page declares {module}"
     assert missing_entries(inventory) == []
+
+
+EXAMPLE_LIBRARIES = {"__init__.py", "common.py", "digits_cnn.py"}  # imported, not run
+
+
+def runnable_examples() -> list[str]:
+    """The example programs of `examples/` (not the modules they share), by file name."""
+    return sorted(
+        p.name for p in (ROOT / "examples").glob("*.py") if p.name not in EXAMPLE_LIBRARIES
+    )
+
+
+def test_the_gallery_shows_every_example_with_its_command_and_figures():
+    gallery = (ROOT / "docs" / "examples" / "index.md").read_text()
+    assert len(runnable_examples()) >= 6
+    for name in runnable_examples():
+        assert f"python examples/{name}" in gallery, f"{name} has no command in the gallery"
+    figures = [m.group(1) for m in re.finditer(r"!\[[^\]]*\]\(([^)]+)\)", gallery)]
+    assert len(figures) >= 4
+    for figure in figures:
+        assert (ROOT / "docs" / "examples" / figure).resolve().is_file(), figure
+
+
+def test_the_landing_page_leads_with_a_short_example():
+    """Its first block is Python of at most 12 lines (test_readme.py runs it, as every page's)."""
+    text = (ROOT / "docs" / "index.md").read_text()
+    first = re.search(r"^```(\S*)\n(.*?)^```$", text, re.M | re.S)
+    assert first and first.group(1) == "python", "index.md: the first code block is not Python"
+    assert len(first.group(2).splitlines()) <= 12
+    assert "docs-test: skip" not in text[: first.start()]
+
+
+def private_types(html: str) -> list[str]:
+    """Private module paths (`mpjax._src....`, `jax.jaxlib._jax....`) in the signatures and
+    attribute types of a built API page."""
+    signatures = re.findall(r'<dt class="sig sig-object py".*?</dt>', html, re.S)
+    types = re.findall(r'<dt class="field-\w+">Type<span class="colon">.*?</dd>', html, re.S)
+    text = " ".join(re.sub(r"<[^>]*>", "", s) for s in signatures + types)
+    return sorted(set(re.findall(r"[\w.]*(?:\._src\.|jaxlib\._)[\w.]*", text)))
+
+
+@pytest.mark.slow
+def test_api_pages_show_public_type_names(built_docs):
+    pages = sorted((built_docs / "api").glob("*.html"))
+    assert {p.stem for p in pages} >= {"mpjax", "scaling", "export"}
+    for page in pages:
+        assert private_types(page.read_text()) == [], page.name
+    assert "jax.Array" in (built_docs / "api" / "mpjax.html").read_text()

@@ -303,6 +303,20 @@ def test_plot_runs_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_runs_titles_the_scale_panel_by_what_it_plots(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)  # keep the figure to read its panels
+    runs = [_fake_run(p, 0, 90.0) for p in ("fp32", "bf16", "fp16")]
+    common.plot_runs(runs, tmp_path / "x.png", "t")
+    scale_panel = kept[0].axes[1]
+    assert scale_panel.get_title() == "loss scale: fp16"
+    labels = [line.get_label() for line in scale_panel.lines]
+    assert labels == ["fp16 (seed 0)", "fp32, bf16: no loss scaling (scale 1)"]
+    assert np.all(scale_panel.lines[0].get_ydata() == 2.0**15)
+
+
 @pytest.mark.parametrize("module", [train_digits, train_char_lm, underflow_demo])
 def test_help_documents_every_flag(module, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -17,7 +17,10 @@ import pytest
 
 import mpjax
 from mpjax._src.scaling.blockwise8 import CODEBOOK, Blockwise8, dequantize, quantize
-from tests.scaling.test_memory import LP_INNERS, _apply, _assert_bits_equal, _quadratic_run
+from tests.helpers.optim import LP_INNERS
+from tests.helpers.optim import apply_update as _apply
+from tests.helpers.optim import assert_bits_equal as _assert_bits_equal
+from tests.helpers.optim import quadratic_run as _quadratic_run
 
 
 def _moments(n: int, seed: int) -> np.ndarray:

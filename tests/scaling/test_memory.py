@@ -22,18 +22,14 @@ import mpjax
 from mpjax._src.scaling.low_precision import stochastic_round
 from mpjax._src.scaling.master import rounded
 from mpjax._src.scaling.remainder import join_master, split_master
+from tests.helpers.optim import LP_INNERS
+from tests.helpers.optim import apply_update as _apply
+from tests.helpers.optim import assert_bits_equal as _assert_bits_equal
+from tests.helpers.optim import bits as _bits
+from tests.helpers.optim import quadratic_run as _quadratic_run
 
 STEPS = 120
 SKIPS = {0: np.inf, STEPS // 2: np.nan, STEPS - 1: -np.inf}  # first, middle, last
-
-
-def _bits(x):
-    return np.atleast_1d(np.asarray(x)).view(np.uint8)
-
-
-def _assert_bits_equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
 # ------------------------------------------------------------------- the split and its rounding
@@ -202,11 +198,6 @@ def test_remainder_skips_keep_params_and_remainders_bit_identical():
     _assert_bits_equal((params2, mpjax.find_loss_scaled_state(state2).master), before)
 
 
-def _apply(tx, params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-
 def test_remainder_sharded_over_8_devices_matches_and_keeps_sharding():
     devices = np.array(jax.devices()[:8])
     assert devices.size == 8
@@ -284,30 +275,6 @@ def test_stochastic_round_is_deterministic_given_seed():
     a, b = stochastic_round(x, jnp.uint32(7)), jax.jit(stochastic_round)(x, jnp.uint32(7))
     _assert_bits_equal(a, b)
     assert (np.asarray(a) != np.asarray(stochastic_round(x, jnp.uint32(8)))).any()
-
-
-LP_INNERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-    "lion": lambda: optax.lion(3e-2),
-    "adafactor": lambda: optax.adafactor(1e-1, multiply_by_parameter_scale=False),
-}
-
-
-def _quadratic_run(tx, steps=60, params=None):
-    target = jnp.asarray(np.random.default_rng(2).standard_normal((16, 8)), jnp.float32)
-    params = {"w": jnp.zeros((16, 8))} if params is None else params
-    loss = lambda p: jnp.mean((p["w"] - target) ** 2)  # noqa: E731
-
-    @jax.jit
-    def step(p, s):
-        updates, s = tx.update(jax.grad(loss)(p), s, p)
-        return optax.apply_updates(p, updates), s
-
-    state = tx.init(params)
-    for _ in range(steps):
-        params, state = step(params, state)
-    return float(loss(params)), state
 
 
 @pytest.mark.parametrize("name", sorted(LP_INNERS))

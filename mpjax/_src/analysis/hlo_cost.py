@@ -41,6 +41,7 @@ from mpjax._src.analysis.hlo_text import (
     op_name,
     parse_module,
     shapes_bytes,
+    source_op_name,
 )
 
 __all__ = [
@@ -262,20 +263,23 @@ def _prefixed(prefix: str, attrs: str) -> str:
     return name
 
 
-def _count_convert(instr: Instr, acc: dict, prefix: str) -> None:
+def _count_convert(comp: dict, instr: Instr, acc: dict, prefix: str, launcher: str = "") -> None:
+    """Counts a convert under its name stack; one XLA made is its input's (or its kernel's)."""
     if instr.opcode == "convert":
         acc["converts"] += 1
-        acc["converts_by_op"][_prefixed(prefix, instr.attrs)] += 1
+        name = source_op_name(comp, instr)
+        name = _prefixed(prefix, f'op_name="{name}"') if name else launcher
+        acc["converts_by_op"][name or prefix] += 1
 
 
-def _fused_costs(comps: dict, comp_name: str, acc: dict, prefix: str = "") -> None:
+def _fused_costs(comps: dict, comp_name: str, acc: dict, prefix: str = "", launcher="") -> None:
     comp = comps.get(comp_name, {})
     for instr in comp.values():
-        _count_convert(instr, acc, prefix)
+        _count_convert(comp, instr, acc, prefix, launcher)
         if instr.opcode in ("dot", "convolution", "custom-call"):
             _matmul_flops(comp, instr, acc, prefix)
         elif instr.opcode == "fusion":
-            _fused_costs(comps, attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
+            _fused_costs(comps, attr(instr.attrs, "calls").lstrip("%"), acc, prefix, launcher)
         elif instr.opcode == "reduce":
             acc["other"] += sum(math.prod(_shape_of(comp, o)[1]) for o in instr.operands[:1])
         elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
@@ -307,6 +311,14 @@ def _kernel_time(acc: dict, nbytes: int) -> float:
     return max(compute, nbytes / HBM_BYTES_PER_S)
 
 
+def _kernel_name(comp: dict, instr: Instr, acc: dict, prefix: str) -> str:
+    """A launch's name stack: its own or its inputs', else that of most of its converts."""
+    source = source_op_name(comp, instr)
+    if source or not acc["converts_by_op"]:
+        return _prefixed(prefix, f'op_name="{source}"')
+    return max(acc["converts_by_op"], key=acc["converts_by_op"].get)
+
+
 def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str = "") -> None:
     """Appends a `Kernel` per launch of `comp_name` (and what it calls) to `kernels`.
 
@@ -336,9 +348,11 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
             continue
         acc = _new_acc()
         if instr.opcode == "fusion":
-            _fused_costs(comps, attr(instr.attrs, "calls").lstrip("%"), acc, prefix)
+            source = source_op_name(comp, instr)
+            launcher = _prefixed(prefix, f'op_name="{source}"') if source else prefix
+            _fused_costs(comps, attr(instr.attrs, "calls").lstrip("%"), acc, prefix, launcher)
         else:
-            _count_convert(instr, acc, prefix)
+            _count_convert(comp, instr, acc, prefix)
             if instr.opcode in ("dot", "convolution", "custom-call"):
                 _matmul_flops(comp, instr, acc, prefix)
             elif instr.opcode not in _DATA_MOVEMENT and instr.shapes:
@@ -366,7 +380,7 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
                 acc["other"],
                 _kernel_time(acc, nbytes),
                 acc["converts"] > 0 and acc["compute"] == 0,
-                _prefixed(prefix, instr.attrs),
+                _kernel_name(comp, instr, acc, prefix),
             )
         )
 

@@ -21,6 +21,7 @@ __all__ = [
     "shapes_bytes",
     "op_name",
     "parse_module",
+    "source_op_name",
     "split_top",
 ]
 
@@ -162,6 +163,43 @@ def op_name(attrs: str) -> str:
     """The `op_name` of an instruction's metadata ("" without one)."""
     m = _OP_NAME.search(attrs)
     return m.group(1) if m else ""
+
+
+def source_op_name(comp: dict, instr: Instr, depth: int = 8) -> str:
+    """The `op_name` of `instr`, else of the nearest operand in `comp` that has one.
+
+    XLA names nothing it inserts itself (a convert XLA:CPU adds to run float16 math in
+    float32, a bitcast): such an instruction belongs to the code whose value it reads.
+
+    Args:
+      comp: the computation holding `instr` (`{name: Instr}` of `parse_module`).
+      instr: the instruction.
+      depth: how many operand levels to search.
+
+    Returns:
+      The name stack (`""` when no instruction within `depth` levels has one).
+
+    Example:
+      >>> from mpjax._src.analysis.hlo_text import parse_module, source_op_name
+      >>> hlo = chr(10).join([
+      ...     "ENTRY %main (p: f16[2]) -> f32[2] {",
+      ...     "  %p = f16[2]{0} parameter(0)",
+      ...     '  %neg = f16[2]{0} negate(%p), metadata={op_name="jit(f)/neg"}',
+      ...     "  ROOT %c = f32[2]{0} convert(%neg)",
+      ...     "}",
+      ... ])
+      >>> comps, entry = parse_module(hlo)
+      >>> source_op_name(comps[entry], comps[entry]["c"])
+      'jit(f)/neg'
+    """
+    frontier, seen = [instr], set()
+    for _ in range(depth):
+        for i in frontier:  # a parameter's op_name is its argument's path, not a name stack
+            if i.opcode != "parameter" and (name := op_name(i.attrs)):
+                return name
+        seen.update(i.name for i in frontier)
+        frontier = [comp[o] for i in frontier for o in i.operands if o in comp and o not in seen]
+    return ""
 
 
 def shapes_bytes(shapes) -> int:

@@ -11,7 +11,7 @@ import jax
 from mpjax._src.analysis import collectives as hlo_collectives
 from mpjax._src.analysis import hlo_cost
 from mpjax._src.report import format as fmt
-from mpjax._src.report.paths import split_op_name
+from mpjax._src.report.paths import library_last, split_op_name
 from mpjax._src.report.records import (
     Collective,
     Converts,
@@ -25,7 +25,7 @@ from mpjax._src.report.targets import place_args, resolve_target
 
 __all__ = ["UNNAMED", "Report", "build_report", "report"]
 
-UNNAMED = "(no metadata)"  # instructions the compiler made without a JAX name stack
+UNNAMED = "(made by XLA)"  # instructions the compiler made, with no JAX name stack to read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,7 @@ def _converts(optimized) -> tuple[Converts, ...]:
     for k in optimized.kernels:
         if k.only_converts:
             kernels[_path(k.op_name)] += 1
-    paths = sorted(set(count) | set(kernels))
+    paths = sorted(set(count) | set(kernels), key=library_last)
     return tuple(Converts(p, count[p], kernels[p]) for p in paths)
 
 

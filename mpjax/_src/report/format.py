@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-__all__ = ["human", "markdown", "summary", "text"]
+__all__ = ["convert_totals", "cpu_note", "human", "markdown", "summary", "text"]
 
 _UNITS = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
@@ -45,8 +45,8 @@ def summary(report) -> str:
         paths = ", ".join(dict.fromkeys(g.path for g in fp8))
         runs = sum(g.runs_fp8 for g in fp8)
         parts.append(f"{len(fp8)} fp8 GEMMs ({paths}), {runs} run as fp8 on {report.target}")
-    kernels = sum(c.kernels for c in report.converts)
-    parts.append(f"{kernels} materialised converts")
+    count, kernels = convert_totals(report)
+    parts.append(f"{count} converts, {kernels} in convert-only kernels")
     by_op: Counter = Counter()
     for c in report.collectives:
         by_op[(c.op, c.dtype.name)] += c.bytes
@@ -54,6 +54,30 @@ def summary(report) -> str:
     if report.memory.roofline_s is not None:
         parts.append(f"roofline {report.memory.roofline_s * 1e3:.3g} ms")
     return "; ".join(parts)
+
+
+def convert_totals(report) -> tuple[int, int]:
+    """(convert instructions, convert-only kernels) of the whole step: the table's total row."""
+    return sum(c.count for c in report.converts), sum(c.kernels for c in report.converts)
+
+
+def cpu_note(report) -> str | None:
+    """What a report compiled for XLA:CPU can and cannot tell (None for a GPU target)."""
+    if report.memory.roofline_s is not None:
+        return None
+    return (
+        f"On {report.target}: the dtypes asked for, FLOPs, converts, collectives and memory "
+        "are this program's.\nXLA:CPU runs float16/bfloat16 GEMMs in float32 ('runs as') "
+        "and has no GPU time model\n(roofline n/a): compile for target='h100' to see what "
+        "a GPU runs."
+    )
+
+
+def _convert_rows(report) -> list[list[str]]:
+    rows = [[c.path, str(c.count), str(c.kernels)] for c in report.converts]
+    if rows:
+        rows.append(["total", *map(str, convert_totals(report))])
+    return rows
 
 
 def _gemm_rows(report) -> list[list[str]]:
@@ -68,13 +92,16 @@ def _gemm_rows(report) -> list[list[str]]:
                 [path, g.kind, g.direction, asks, _short(g.runs_as), human(g.flops, "FLOP")]
                 + ["float32!" if g.flagged else ("fp8" if g.runs_fp8 else "")]
             )
+    if rows:  # the headline's total
+        rows.append(["total", "", "", "", "", human(sum(g.flops for g in report.gemms), "FLOP")])
+        rows[-1].append("")
     return rows
 
 
 def _tables(report) -> list[tuple[str, list[str], list[list[str]]]]:
     m = report.memory
     memory = [[human(m.temp_bytes, "B"), human(m.argument_bytes, "B"), human(m.output_bytes, "B")]]
-    memory[0].append("-" if m.roofline_s is None else f"{m.roofline_s * 1e3:.4g} ms")
+    memory[0].append("n/a on cpu" if m.roofline_s is None else f"{m.roofline_s * 1e3:.3g} ms")
     return [
         (
             "GEMMs",
@@ -84,7 +111,7 @@ def _tables(report) -> list[tuple[str, list[str], list[list[str]]]]:
         (
             "converts",
             ["module", "converts", "convert-only kernels"],
-            [[c.path, str(c.count), str(c.kernels)] for c in report.converts],
+            _convert_rows(report),
         ),
         (
             "collectives",
@@ -98,6 +125,8 @@ def _tables(report) -> list[tuple[str, list[str], list[list[str]]]]:
 def text(report) -> str:
     """The report as aligned plain-text tables under its summary line."""
     out = [f"mpjax.report ({report.target}): {summary(report)}"]
+    if note := cpu_note(report):
+        out.append(note)
     for title, header, rows in _tables(report):
         if not rows:
             continue
@@ -111,6 +140,8 @@ def text(report) -> str:
 def markdown(report) -> str:
     """The report as Markdown tables under its summary line."""
     out = [f"**mpjax.report ({report.target})**: {summary(report)}"]
+    if note := cpu_note(report):
+        out += ["", note]
     for title, header, rows in _tables(report):
         if not rows:
             continue

@@ -6,13 +6,20 @@ dot of the backward pass (`transpose(...)`) in the Flax module `blk/Dense_0` of 
 scopes (`Model.__call__`), the last part (the primitive), the root class (recognised by a method
 or `.apply` naming it) and the `module` child of mpjax's linen policy wrapper are dropped. A
 name stack with no scope left names the innermost jitted function (`jit(loss)` -> `loss`).
+What `loss_scaled` adds to a step (its name scope) is one path, `LOSS_SCALING`, and the
+optimizer it wraps another, `OPTIMIZER`.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["split_op_name"]
+from mpjax._src.scaling.scopes import INNER_SCOPE, LOSS_SCALING_SCOPE
+
+__all__ = ["LOSS_SCALING", "OPTIMIZER", "library_last", "split_op_name"]
+
+LOSS_SCALING = "mpjax: loss scaling"  # loss_scaled's and scale_loss's own ops, as one row
+OPTIMIZER = "optimizer"  # the optimizer loss_scaled wraps (its update, under loss_scaled)
 
 _CALL = re.compile(r"^([\w<>\-]+)\((.*)\)$")
 _WRAPPER = "PolicyModule"  # mpjax's linen policy wrapper; it calls its model `module`
@@ -61,6 +68,9 @@ def split_op_name(op_name: str) -> tuple[str, str]:
             function = call.group(2)
         elif not call and "." not in part:
             scopes.append(part)
+    if LOSS_SCALING_SCOPE in scopes:
+        path = OPTIMIZER if INNER_SCOPE in scopes else LOSS_SCALING
+        return path, "backward" if backward else "forward"
     classes = _classes(op_name)
     if scopes and scopes[0] in classes:
         root = scopes.pop(0)
@@ -68,3 +78,8 @@ def split_op_name(op_name: str) -> tuple[str, str]:
             scopes.pop(0)
     path = "/".join(scopes) or function
     return path, "backward" if backward else "forward"
+
+
+def library_last(path: str) -> tuple:
+    """Sort key of module paths: the model's, then `OPTIMIZER`, then `LOSS_SCALING`."""
+    return (path in (OPTIMIZER, LOSS_SCALING), path == LOSS_SCALING, path)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._src.scaling.random_bits import random_bits16
+
 __all__ = ["CODEBOOK", "Blockwise8", "codebook", "dequantize", "quantize"]
 
 _DECADE_POINTS = (64, 32, 16, 8, 4, 2, 1)  # [0.1, 1], [0.01, 0.1], ..., {1e-6}
@@ -88,8 +90,6 @@ def quantize(x: jax.Array, block_size: int = 256, seed: jax.Array | None = None)
       >>> bool(jnp.allclose(dequantize(q, (4,), block_size=4), x, rtol=0.02))
       True
     """
-    from mpjax._src.scaling.low_precision import _random_bits16
-
     blocks = _blocks(x.astype(jnp.float32), block_size)
     absmax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
     scales = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
@@ -101,7 +101,7 @@ def quantize(x: jax.Array, block_size: int = 256, seed: jax.Array | None = None)
     if seed is None:
         up = frac > 0.5
     else:
-        u = (_random_bits16(blocks.shape, seed).astype(jnp.float32) + 0.5) / 65536.0
+        u = (random_bits16(blocks.shape, seed).astype(jnp.float32) + 0.5) / 65536.0
         up = u < frac
     index = (lo + up.astype(lo.dtype)).astype(jnp.int8)
     codes = jnp.where(jnp.signbit(blocks), -index, index).astype(jnp.int8)

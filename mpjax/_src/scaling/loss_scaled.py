@@ -30,6 +30,7 @@ from mpjax._src.scaling.master import (
     view,
 )
 from mpjax._src.scaling.master_check import check_master
+from mpjax._src.scaling.scopes import INNER_SCOPE, LOSS_SCALING_SCOPE
 
 __all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
 
@@ -170,9 +171,10 @@ def _take_step(step_in, state, params, scale, unscale_in_step, extra_args, confi
     unscaled = unscale_tree(step_in, scale) if unscale_in_step else step_in
     view_ = view(params, state.master)
     inner_grads = jax.tree.map(lambda p, g: g if _is_floating(p) else _MASKED(), params, unscaled)
-    inner_updates, new_inner = config.inner.update(
-        inner_grads, state.inner_state, view_, **extra_args
-    )
+    with jax.named_scope(INNER_SCOPE):  # the wrapped optimizer's own ops (mpjax.report)
+        inner_updates, new_inner = config.inner.update(
+            inner_grads, state.inner_state, view_, **extra_args
+        )
     # Mapped over the params' structure (None leaves, tuples and NamedTuples stay
     # nodes); a candidate is one opaque leaf per param.
     cands = jax.tree.map(_candidate, params, state.master, view_, inner_updates)
@@ -467,4 +469,6 @@ def loss_scaled(
         )
         return updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # Named so that `mpjax.report` shows these ops as one row, not as `cond/branch_0_fun/...`.
+    update = jax.named_scope(LOSS_SCALING_SCOPE)(update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update)

@@ -20,6 +20,8 @@ import optax
 from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.policy import DTYPE_NAMES
 from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
+from mpjax._src.scaling.random_bits import fmix32 as _fmix32
+from mpjax._src.scaling.random_bits import random_bits16 as _random_bits16
 
 __all__ = ["LowPrecisionState", "low_precision_state", "stochastic_round"]
 
@@ -38,28 +40,6 @@ class LowPrecisionState(NamedTuple):
 
     inner_state: Any
     count: jax.Array
-
-
-def _fmix32(h: jax.Array) -> jax.Array:
-    """murmur3's 32-bit finaliser: an invertible mix with full avalanche."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _random_bits16(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
-    """16 pseudo-random bits per element (uint32 in [0, 2**16)) from a counter hash of `seed`.
-
-    Elementwise integer arithmetic on an iota, which XLA fuses into the rounding's kernel
-    (no random-number kernel, no extra memory traffic).
-    """
-    size = 1
-    for d in shape:
-        size *= d
-    index = jax.lax.iota(jnp.uint32, size).reshape(shape)
-    return _fmix32(index * jnp.uint32(0x9E3779B9) + seed) >> 16
 
 
 def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:

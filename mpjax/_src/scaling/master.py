@@ -21,7 +21,15 @@ from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.dtypes import wide_dtype as _wide_dtype
 from mpjax._src.scaling.remainder import join_master, split_master
 
-__all__ = ["NoMaster", "Remainder", "master_params"]
+__all__ = [
+    "MASTER_MODES",
+    "NoMaster",
+    "Remainder",
+    "init_master",
+    "next_master",
+    "rounded",
+    "view",
+]
 
 MASTER_MODES = ("auto", True, False, "remainder")
 
@@ -161,33 +169,3 @@ def next_master(ok: jax.Array, m: Any, value: jax.Array) -> Any:
         return Remainder(jnp.where(ok, split_master(value)[1], m.remainder))
     return jnp.where(ok, value, m)
 
-
-def master_params(opt_state: Any, params: Any) -> Any:
-    """The float32 master weights of `params`, whatever `loss_scaled`'s `master_weights` mode.
-
-    The master where one is kept (rebuilt bit for bit from the bfloat16 param and its
-    remainder with `master_weights="remainder"`), the param widened to float32 where not;
-    non-floating leaves pass through. For evaluation in float32, export and tests.
-
-    Args:
-      opt_state: an optimizer state holding a `loss_scaled` state anywhere.
-      params: the params that state belongs to (the ones `tx.update` was last given,
-        updated).
-
-    Returns:
-      A pytree like `params`.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, mpjax
-      >>> params = {"w": jnp.ones((2,), jnp.bfloat16)}
-      >>> tx = mpjax.loss_scaled(optax.sgd(1e-3), master_weights="remainder")
-      >>> mpjax.master_params(tx.init(params), params)["w"].dtype
-      dtype('float32')
-    """
-    from mpjax._src.scaling.master_check import check_master
-    from mpjax._src.scaling.state_helpers import find_loss_scaled_state
-
-    master = find_loss_scaled_state(opt_state).master
-    check_master(params, master, None, "master_params")
-    views = view(params, master)
-    return jax.tree.map(lambda p, v: p if _is_masked(v) else v, params, views)

@@ -11,10 +11,14 @@ from mpjax._src.scaling.config import default_max_consecutive_skips
 from mpjax._src.scaling.diagnostics import TrainingDivergedError, diverged_message
 from mpjax._src.scaling.loss_scale import NoOpLossScale
 from mpjax._src.scaling.loss_scaled import LossScaledState
+from mpjax._src.scaling.master import _is_masked, view
+from mpjax._src.scaling.master_check import check_master
+from mpjax._src.scaling.scopes import LOSS_SCALING_SCOPE
 
 __all__ = [
     "find_loss_scaled_state",
     "get_loss_scale",
+    "master_params",
     "raise_if_diverged",
     "scale_loss",
     "scaling_metrics",
@@ -102,7 +106,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
       >>> jax.grad(lambda p: scale_loss(jnp.sum(p["w"]), opt_state))(params)["w"]
       Array([32768., 32768.], dtype=float32)
     """
-    return find_loss_scaled_state(opt_state).loss_scale.scale(loss)
+    with jax.named_scope(LOSS_SCALING_SCOPE):
+        return find_loss_scaled_state(opt_state).loss_scale.scale(loss)
 
 
 def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
@@ -185,3 +190,31 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | str | None = 
         source = f"mpjax.raise_if_diverged(max_consecutive_skips={max_consecutive_skips!r})"
         floor = getattr(state.loss_scale, "min_scale", None)
         raise TrainingDivergedError(diverged_message(consecutive, limit, scale, source, floor))
+
+
+def master_params(opt_state: Any, params: Any) -> Any:
+    """The float32 master weights of `params`, whatever `loss_scaled`'s `master_weights` mode.
+
+    The master where one is kept (rebuilt bit for bit from the bfloat16 param and its
+    remainder with `master_weights="remainder"`), the param widened to float32 where not;
+    non-floating leaves pass through. For evaluation in float32, export and tests.
+
+    Args:
+      opt_state: an optimizer state holding a `loss_scaled` state anywhere.
+      params: the params that state belongs to (the ones `tx.update` was last given,
+        updated).
+
+    Returns:
+      A pytree like `params`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, mpjax
+      >>> params = {"w": jnp.ones((2,), jnp.bfloat16)}
+      >>> tx = mpjax.loss_scaled(optax.sgd(1e-3), master_weights="remainder")
+      >>> mpjax.master_params(tx.init(params), params)["w"].dtype
+      dtype('float32')
+    """
+    master = find_loss_scaled_state(opt_state).master
+    check_master(params, master, None, "master_params")
+    views = view(params, master)
+    return jax.tree.map(lambda p, v: p if _is_masked(v) else v, params, views)
