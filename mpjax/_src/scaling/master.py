@@ -168,4 +168,3 @@ def next_master(ok: jax.Array, m: Any, value: jax.Array) -> Any:
     if _is_remainder(m):
         return Remainder(jnp.where(ok, split_master(value)[1], m.remainder))
     return jnp.where(ok, value, m)
-
