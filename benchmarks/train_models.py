@@ -32,6 +32,9 @@ RESNET_SIZES = {
     "quick": {"stages": (1, 1), "width": 16, "classes": 100, "image": 64, "batch": 16},
     # Tiny, for a CPU smoke run of the GPU benchmark.
     "smoke": {"stages": (1,), "width": 4, "classes": 10, "image": 16, "batch": 2},
+    # Data parallel on 8 GPUs: the same per device (global batch 8x).
+    "fullx8": {"stages": (3, 4, 6, 3), "width": 64, "classes": 1000, "image": 224, "batch": 1024},
+    "quickx8": {"stages": (1, 1), "width": 16, "classes": 100, "image": 64, "batch": 128},
 }
 LM_SIZES = {
     # GPT-2 small: 12 layers, d 768, 12 heads, MLP 3072, seq 1024, batch 8.
@@ -40,6 +43,9 @@ LM_SIZES = {
     "wide": {"layers": 4, "d": 4096, "heads": 32, "mlp": 16384, "seq": 2048, "batch": 4},
     "quick": {"layers": 2, "d": 128, "heads": 4, "mlp": 512, "seq": 128, "batch": 4},
     "smoke": {"layers": 1, "d": 32, "heads": 2, "mlp": 64, "seq": 16, "batch": 2},
+    # FSDP on 8 GPUs: GPT-2 small at global batch 64, the quick LM at 8.
+    "gpt2x8": {"layers": 12, "d": 768, "heads": 12, "mlp": 3072, "seq": 1024, "batch": 64},
+    "quickx8": {"layers": 2, "d": 128, "heads": 4, "mlp": 512, "seq": 128, "batch": 8},
 }
 VOCAB = {"full": 50304, "quick": 2048, "smoke": 64}
 

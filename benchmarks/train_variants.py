@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 import mpjax
-from benchmarks.train_models import LM, ConvBNResNet, ResNet
+from benchmarks.train_models import LM, VOCAB, ConvBNResNet, ResNet
 
 __all__ = [
     "FP16",
@@ -45,6 +45,7 @@ __all__ = [
     "RULES",
     "VARIANTS",
     "TrainProgram",
+    "lm_config",
     "lm_program",
     "resnet_program",
 ]
@@ -74,6 +75,12 @@ class TrainProgram(NamedTuple):
     batch: Callable[[jax.Array], Any]
     step: Callable[[Any, Any], tuple[Any, jax.Array]]
     items: int
+
+
+def lm_config(cfg: dict, size: str) -> dict:
+    """An `LM_SIZES` entry named `size` with its vocabulary (`"vocab"`), as `lm_program` needs."""
+    vocab = VOCAB[size if size in ("quick", "smoke") else "quick" if "quick" in size else "full"]
+    return {**cfg, "vocab": vocab}
 
 
 def _scaled_grad(loss_fn, params, opt_state, scaled: bool):
