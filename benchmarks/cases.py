@@ -23,6 +23,7 @@ from benchmarks.fp8_variants import FP8_CONV_VARIANTS, FP8_VARIANTS, NNX_VARIANT
 from benchmarks.harness import Case, Model
 from benchmarks.state_variants import (
     MEMORY_LM_VARIANTS,
+    MEMORY_MODES,
     MLP_VARIANTS,
     MULTI_LM_VARIANTS,
     MULTI_RESNET_VARIANTS,
@@ -81,8 +82,11 @@ CASES = (
     *_grid("opt-step", "opt-blocks", OPT_VARIANTS, anchor="optax-adam"),
     *_grid("opt-step", "mlp", MLP_VARIANTS, anchor="bare"),
     # Memory modes: state, optimizer step, train step (was memory.py).
-    *_grid("memory", "opt-lm", OPT_LM_VARIANTS, anchor="state-master"),
-    *_grid("memory", "lm", MEMORY_LM_VARIANTS, anchor="state-master"),
+    *(
+        Case("memory", m, v, anchor="state-master", label=MEMORY_MODES[v][0])
+        for m in ("opt-lm", "lm")
+        for v in MEMORY_MODES
+    ),
     # Studies with their own measurement (timings on this host, training runs, a GPU).
     *(Case(t, "study", fn.__name__, target, anchor=None, measure=fn) for t, target, fn in STUDIES),
 )

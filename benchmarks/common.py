@@ -1,10 +1,8 @@
 """Shared helpers for the benchmarks: interleaved timing, medians and ranges, XLA cost analysis.
 
-Every benchmark script in this folder exposes `run(quick: bool = False) -> dict` returning
-`{"title": str, "columns": [...], "rows": [[...], ...], "notes": str}`; `benchmarks/run.py`
-collects them. A benchmark may set the module attribute `REQUIRES_GPU = True` (the runner then
-skips it on a machine without a GPU) or raise `Skip("reason")` from `run` to be listed as
-skipped with that reason.
+A study script of this folder (`benchmarks/studies.py`) exposes `run(quick: bool = False)
+-> dict` returning `{"title": str, "columns": [...], "rows": [[...], ...], "notes": str}`;
+it may raise `Skip("reason")` to be recorded as skipped with that reason.
 
 Example:
   >>> times = interleaved_times({"a": step_a, "b": step_b}, rounds=7, steps_per_round=5)
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
 import os
 import platform
 import re
@@ -24,7 +21,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -32,7 +28,6 @@ __all__ = [
     "check_result",
     "cost_analysis",
     "entry_op_counts",
-    "format_markdown",
     "format_text",
     "gpu_available",
     "interleaved_times",
@@ -235,26 +230,6 @@ def _cell(x: Any) -> str:
             return "n/a"
         return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
     return str(x).replace("|", "\\|")
-
-
-def format_markdown(result: Mapping[str, Any]) -> str:
-    """A benchmark result as a Markdown table followed by its notes."""
-    cols = list(result["columns"])
-    lines = ["| " + " | ".join(_cell(c) for c in cols) + " |", "|" + "---|" * len(cols)]
-    for row in result["rows"]:
-        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-    notes = result.get("notes", "")
-    if notes:
-        lines += ["", notes]
-    return "\n".join(lines)
-
-
-def emit(result: Mapping[str, Any], json_path: str | None) -> Mapping[str, Any]:
-    """Prints `result` as a text table and, if `json_path` is given, writes it there as JSON."""
-    print(format_text(result))
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1, default=str))
-    return result
 
 
 def format_text(result: Mapping[str, Any]) -> str:

@@ -10,12 +10,12 @@ batch 8, AdamW), state donated:
 - `apply_policy one-string`, `apply_policy per-module`, `autocast`, `fp16 + loss_scaled`, and
   for ResNet `ConvBN (auto)` / `ConvBN (xla)`: mpjax's paths (see `train_variants.py`);
 - fp8 (rows `lm-fp8 <width>`, the LM at GPT-2-small width and the wide LM of
-  `benchmarks/fp8_cost.py`): `autocast(fp8=Fp8Recipe())` tensorwise and rowwise, delayed
+  `benchmarks/fp8_variants.py`): `autocast(fp8=Fp8Recipe())` tensorwise and rowwise, delayed
   scaling through `apply_policy`, and Flax's `Fp8DirectDotGeneralOp` / `Fp8DotGeneralOp`,
-  each against the same hand-written bf16 anchor (the programs of `fp8_cost.FP8_VARIANTS`).
+  each against the same hand-written bf16 anchor (the programs of `fp8_variants.FP8_VARIANTS`).
 
 Beside each measured step time the GPU cost model's prediction for an H100
-(`benchmarks/gpu_cost_model.py`: deviceless compile, crude roofline) is printed, both also as a
+(the suite's `cost` cases: deviceless compile, crude roofline) is printed, both also as a
 ratio to the anchor. Targets on a real GPU: every mpjax path >= 0.99x the anchor's images/s
 (tokens/s), and the bf16 speed-up over fp32 at least the anchor's. Throughputs are medians over
 interleaved rounds with min-max; ratios are paired per round.
@@ -61,7 +61,7 @@ VARIANTS = {
     "ConvBN (auto)": "convbn",
     "ConvBN (xla)": "convbn-xla",
 }
-# Row label -> variant name in `fp8_cost.FP8_VARIANTS` (the LM only).
+# Row label -> LM variant name (`fp8_variants.FP8_VARIANTS` and the bf16 anchor).
 FP8_LABELS = {
     ANCHOR: "bf16",
     "fp8 autocast tensorwise": "fp8-tensorwise",
@@ -104,15 +104,16 @@ def predictions(
     model: str, cfg: dict, names: Sequence[str], registry: dict | None = None
 ) -> dict[str, float]:
     """Variant -> the cost model's H100 roofline seconds; empty without the CUDA plugin."""
-    from benchmarks import gpu_cost_model
+    from benchmarks import harness, run
 
-    if not gpu_cost_model.plugin_available():
+    if not run.plugin_available():
         return {}
-    sharding = gpu_cost_model.h100_sharding()
-    return {
-        name: gpu_cost_model.measure_variant(model, name, cfg, sharding, registry)["roofline_s"]
-        for name in names
-    }
+    table = (registry or VARIANTS)[model]
+    out = {}
+    for name in names:
+        compiled = harness.compile_program(table[name](cfg), "h100")[1]
+        out[name] = harness.hlo_figures(compiled.as_text())["roofline_s"]
+    return out
 
 
 def measure_model(
@@ -228,11 +229,12 @@ def run(quick: bool = False, smoke: bool = False) -> dict:
 def fp8_rows(size: str, rounds: int, steps: int) -> list[list]:
     """The fp8 LM rows: GPT-2-small width and the wide LM; the quick LM otherwise (the
     smoke LM's GEMMs are below `Fp8Recipe.min_dim`, so nothing would run in fp8)."""
-    from benchmarks.fp8_cost import FP8_VARIANTS
+    from benchmarks.fp8_variants import FP8_VARIANTS
+    from benchmarks.train_variants import LM_VARIANTS
 
     vocab = VOCAB[size]
     widths = ("gpt2", "wide") if size == "full" else ("quick",)
-    registry = {"lm": FP8_VARIANTS}
+    registry = {"lm": {"bf16": LM_VARIANTS["bf16"], **FP8_VARIANTS}}
     return [
         row
         for width in widths

@@ -70,6 +70,7 @@ class Case:
       anchor: the variant this one's ratios are taken against (same table, model, sizes).
       measure: `measure(case, quick) -> dict` instead of compiling the program.
       report: also record what `mpjax.report` says of the compile (H100 only).
+      label: the row's name in the docs' tables (default: the variant).
     """
 
     table: str
@@ -80,6 +81,7 @@ class Case:
     anchor: str | None = "bf16"
     measure: Callable[[Case, bool], dict] | None = None
     report: bool = False
+    label: str = ""
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -226,6 +228,7 @@ def memory_figures(compiled, state) -> dict:
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state[0])),
+        "param_bytes": _nbytes(state[0]),
         "state_bytes": _nbytes(state),
     }
 
@@ -339,6 +342,8 @@ def measure_program(case: Case, models: Mapping[str, Model], quick: bool) -> dic
 def record_of(case: Case, figures: dict | None, seconds: float, status="ok", reason="") -> dict:
     """One entry of the results file."""
     out = {k: getattr(case, k) for k in ("table", "model", "variant", "target", "anchor")}
+    out["label"] = case.label or case.variant
+    out["size"] = case.sizes[1] if case.sizes else None
     out.update(name=case.name, status=status, seconds=round(seconds, 1))
     if reason:
         out["reason"] = reason

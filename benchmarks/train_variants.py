@@ -3,7 +3,7 @@
 A variant is a builder `fn(cfg) -> TrainProgram` in `RESNET_VARIANTS` or `LM_VARIANTS`
 (read-only mappings; `VARIANTS[model]` picks one). `cfg` is a size entry of
 `benchmarks/train_models.py` plus `"vocab"` for the LM. The cost model
-(`benchmarks/gpu_cost_model.py`) compiles `jax.jit(program.step, donate_argnums=0)` on
+(the suite's cases, `benchmarks/cases.py`) compiles `jax.jit(program.step, donate_argnums=0)` on
 abstract `init`/`batch` outputs; `benchmarks/gpu.py` runs the same steps on a GPU.
 
 To add variants in another file (e.g. fp8), write builders with `resnet_program` /
