@@ -87,6 +87,10 @@ CASES = (
         for m in ("opt-lm", "lm")
         for v in MEMORY_MODES
     ),
+    # Throughput on a real GPU (skipped without one; was gpu.py).
+    *_grid("gpu", "resnet", BASE[:-1] + CONVBN[:2], ("gpu",)),
+    *_grid("gpu", "lm", BASE[:-1], ("gpu",)),
+    *_grid("gpu", "lm", ("bf16", *FP8_VARIANTS), ("gpu",), sizes=("quick", "wide")),
     # Studies with their own measurement (timings on this host, training runs, a GPU).
     *(Case(t, "study", fn.__name__, target, anchor=None, measure=fn) for t, target, fn in STUDIES),
 )

@@ -9,7 +9,8 @@ function (`measure_program`): the step is compiled with its state donated and re
 - on an H100 target (deviceless compile): kernels by kind, GEMM/conv FLOPs by operand
   dtype, converts, bytes and the roofline (`mpjax/_src/analysis/hlo_cost.py`), and on 8
   H100s the collectives by op and dtype with a ring estimate of their time;
-- on the CPU: XLA's bytes accessed and the step time paired with the anchor's.
+- on this host's CPU or GPU (`cpu`, `gpu`): XLA's bytes accessed and the step time, timed
+  in rounds alternating with the anchor's step (ratios paired per round).
 
 A case with its own `measure(case, quick) -> figures` (a table of rows for a study that is
 not one program, e.g. a training run) is run the same way and stored the same way.
@@ -322,6 +323,7 @@ def measure_program(case: Case, models: Mapping[str, Model], quick: bool) -> dic
         cost = compiled.cost_analysis()
         cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
         figures["bytes"] = float(cost.get("bytes accessed", float("nan")))
+        figures["items"] = program.items
         anchor = model.variants.get(case.anchor) if case.anchor else None
         figures.update(time_pair(program, anchor and anchor(cfg), quick))
         return figures

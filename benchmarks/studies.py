@@ -2,7 +2,7 @@
 
 Each returns its table (`title`, `columns`, `rows`, `notes`) as the case's figures:
 timings of alternatives on this host (interleaved rounds, ratios paired per round), training
-runs to convergence, and timings on a real GPU (skipped without one). `data_parallel` and
+runs to convergence, and kernel timings on a real GPU (skipped without one). `data_parallel` and
 `reduce_dtype` train on 8 simulated CPU devices in a child process: XLA's host device count
 is fixed when jax starts, so that part cannot run in the suite's process.
 """
@@ -55,6 +55,5 @@ STUDIES = (
     ("reduce-dtype", "cpu", _script("reduce_dtype")),
     ("reduce-dtype-h100", "h100x8", reduce_dtype_h100),
     ("convergence", "cpu", memory_convergence),
-    ("gpu", "gpu", _script("gpu")),
     ("kernels-gpu", "gpu", _script("kernels_gpu")),
 )

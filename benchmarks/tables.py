@@ -212,7 +212,21 @@ def study_table(records):
     return f["columns"], f["rows"], f["columns"], f["rows"]
 
 
+def time_table(records):
+    """Step time on this host against the anchor's, timed in alternating rounds."""
+    rows = []
+    for r, _ in _with_anchor(records):
+        f = r["figures"]
+        t, ratio = f["time_s"], f["time_vs_anchor"]
+        rows.append([_size(r), r["variant"], round(f["items"] / t["median"])])
+        rows[-1] += [round(ratio["median"], 3), f"{ratio['min']:.3f}-{ratio['max']:.3f}"]
+        rows[-1] += [round(t["median"] * 1e3, 2), round(f["bytes"] / 1e9, 3)]
+    cols = ["model", "path", "items/s", "time vs anchor", "min-max", "ms/step", "GB accessed"]
+    return cols[:5], [r[:5] for r in rows], cols, rows
+
+
 TABLES: dict[str, Callable] = {
+    "gpu": time_table,
     "cost": cost_table,
     "fp8": fp8_table,
     "fp8-conv": fp8_table,
@@ -424,35 +438,51 @@ DOC_TABLES = (
 )  # fmt: skip
 
 
+def _rounded(rows: list[list]) -> list[list]:
+    return [[f"{c:.3g}" if isinstance(c, float) else c for c in row] for row in rows]
+
+
+def _reduce_dtype_pages(records) -> dict[str, str]:
+    from benchmarks.reduce_dtype import SUM_COLUMNS, TRAIN_COLUMNS
+
+    f = records[0]["figures"]
+    short = markdown_table(SUM_COLUMNS, _rounded(f["sum"])) + "\n"
+    train = markdown_table(TRAIN_COLUMNS, _rounded(f["train"]))
+    return {"reduce-dtype": short, "reduce-dtype_full": short + "\n" + train + "\n"}
+
+
+def _convergence_pages(records) -> dict[str, str]:
+    f = records[0]["figures"]
+    return {"memory_char_lm": char_lm_section(f), "memory_digits": digits_section(f)}
+
+
+# table -> (pages of its records, the pages it writes)
+SPECIAL = {
+    "memory": (memory_tables, ("memory_state", "memory_step", "memory_train_step")),
+    "reduce-dtype": (_reduce_dtype_pages, ("reduce-dtype", "reduce-dtype_full")),
+    "convergence": (_convergence_pages, ("memory_char_lm", "memory_digits")),
+}
+
+
 def pages(results: dict) -> dict[str, str]:
     """name -> Markdown: `<table>` (short) and `<table>_full` for every table of the run."""
     out = {"machine": machine_section(results)}
     tables = dict.fromkeys([*DOC_TABLES, *(r["table"] for r in results["records"])])
     for table in tables:
         records = _ok(results, table)
+        special, names = SPECIAL.get(table, (None, (table, f"{table}_full")))
         if not records:
-            out[table] = out[f"{table}_full"] = _not_run(results, table)
-            if table == "memory":
-                out.update(dict.fromkeys(["memory_state", "memory_step", "memory_train_step"]))
-            if table == "convergence":
-                out.update(dict.fromkeys(["memory_char_lm", "memory_digits"]))
-            for k, v in out.items():
-                out[k] = v or out[table]
-            continue
-        if table == "memory":
-            out.update(memory_tables(records))
-            continue
-        if table == "convergence":
-            f = records[0]["figures"]
-            out["memory_char_lm"], out["memory_digits"] = char_lm_section(f), digits_section(f)
-            continue
-        build = TABLES.get(table, study_table)
-        s_cols, s_rows, f_cols, f_rows = build(records)
-        notes = records[0]["figures"].get("notes", "") if build is study_table else ""
-        title = records[0]["figures"].get("title", "") if build is study_table else ""
-        out[table] = markdown_table(s_cols, s_rows) + "\n"
-        full = (f"**{cell(title)}**\n\n" if title else "") + markdown_table(f_cols, f_rows)
-        out[f"{table}_full"] = full + (f"\n\n{cell(notes)}" if notes else "") + "\n"
+            out.update(dict.fromkeys(names, _not_run(results, table)))
+        elif special:
+            out.update(special(records))
+        else:
+            build = TABLES.get(table, study_table)
+            s_cols, s_rows, f_cols, f_rows = build(records)
+            f = records[0]["figures"] if build is study_table else {}
+            title, notes = f.get("title", ""), f.get("notes", "")
+            out[table] = markdown_table(s_cols, s_rows) + "\n"
+            full = (f"**{cell(title)}**\n\n" if title else "") + markdown_table(f_cols, f_rows)
+            out[f"{table}_full"] = full + (f"\n\n{cell(notes)}" if notes else "") + "\n"
     return out
 
 

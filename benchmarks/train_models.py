@@ -3,7 +3,7 @@ GPT-2-like LM, each with a size table (`RESNET_SIZES`, `LM_SIZES`).
 
 `benchmarks/train_variants.py` builds the train steps of every precision variant from these;
 the benchmark suite (`benchmarks/cases.py`) compiles them for an H100 without a device and
-`benchmarks/gpu.py` times them on a real GPU, so both measure the same programs.
+its `gpu` target times them on a real GPU, so both measure the same programs.
 
 ResNet follows Flax's ImageNet example (ResNet v1.5, NHWC, BatchNorm momentum 0.9, last BN of
 each block zero-initialised); the LM is a pre-LayerNorm decoder (learned positions, GELU MLP,

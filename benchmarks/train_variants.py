@@ -4,7 +4,7 @@ A variant is a builder `fn(cfg) -> TrainProgram` in `RESNET_VARIANTS` or `LM_VAR
 (read-only mappings; `VARIANTS[model]` picks one). `cfg` is a size entry of
 `benchmarks/train_models.py` plus `"vocab"` for the LM. The cost model
 (the suite's cases, `benchmarks/cases.py`) compiles `jax.jit(program.step, donate_argnums=0)` on
-abstract `init`/`batch` outputs; `benchmarks/gpu.py` runs the same steps on a GPU.
+abstract `init`/`batch` outputs; the `gpu` target times the same steps on a GPU.
 
 To add variants in another file (e.g. fp8), write builders with `resnet_program` /
 `lm_program` and merge: `{**LM_VARIANTS, "fp8": build_fp8}`; the cost model's

@@ -1,7 +1,6 @@
-"""The benchmarks' shared helpers, a study through the runner, the GPU script's smoke mode."""
+"""The benchmarks' shared helpers, a study through the runner."""
 
 import json
-import math
 import subprocess
 import sys
 import textwrap
@@ -133,40 +132,3 @@ def test_quick_suite_writes_step_overhead_table(tmp_path):
     if jax.default_backend() != "gpu":
         assert gpu["status"] == "skipped" and "GPU" in gpu["reason"]
     assert data["quick"] and data["command"].startswith("python benchmarks/run.py --quick")
-
-
-@pytest.mark.slow
-def test_gpu_script_smoke_mode_runs_each_precision(capsys):
-    from benchmarks import gpu, train_variants
-
-    result = gpu.main(["--smoke"])
-    assert "SMOKE RUN" in capsys.readouterr().out
-    common.check_result(result)
-    cols = result["columns"]
-    rows = {(row[0], row[1]): dict(zip(cols, row, strict=True)) for row in result["rows"]}
-    for model in ("resnet", "lm"):
-        # Every registered variant of the model is timed, under its label.
-        expected = [k for k, v in gpu.VARIANTS.items() if v in train_variants.VARIANTS[model]]
-        assert [label for m, label in rows if m == model] == expected
-        for label in expected:
-            row = rows[(model, label)]
-            assert row["items/s (median)"] > 0
-            low, total = map(int, row["low-precision matmuls"].split("/"))
-            assert total > 0
-            # mpjax's paths really run their matmuls in low precision (fp32 none).
-            if label == "fp32":
-                assert low == 0
-            else:
-                assert low > 0, (model, label)
-            # Finite everywhere, autocast's LM included (its padding mask constant saturates).
-            assert math.isfinite(row["last loss"]), (model, label, row["last loss"])
-        assert rows[(model, "fp32")]["x fp32"] == 1.0
-        assert rows[(model, gpu.ANCHOR)]["x anchor"] == 1.0
-    # fp8: every variant timed; the direct forms really feed fp8 operands to their GEMMs,
-    # Flax's quantise-dequantise form none (its GEMMs take bf16).
-    fp8 = {label: row for (m, label), row in rows.items() if m == "lm-fp8 quick"}
-    assert list(fp8) == list(gpu.FP8_LABELS)
-    for label, row in fp8.items():
-        assert math.isfinite(row["last loss"]) and row["items/s (median)"] > 0, label
-        no_fp8 = label in (gpu.ANCHOR, "Flax Fp8DotGeneralOp")
-        assert (row["fp8 matmuls"] == 0) == no_fp8, (label, row["fp8 matmuls"])
