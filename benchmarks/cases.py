@@ -74,10 +74,6 @@ CASES = (
     *_grid("fp8-conv", "resnet", ("bf16", *FP8_CONV_VARIANTS)),
     *_grid("fp8-nnx", "lm-nnx", NNX_VARIANTS, anchor="nnx-bf16"),
     *_grid("fp8-nnx", "lm-nnx", NNX_VARIANTS, anchor="nnx-bf16", sizes=("quick", "wide")),
-    # 8 H100s: LM FSDP, ResNet data parallel, LM HSDP (was multi_gpu_cost.py).
-    *_grid("multi-gpu", "lm", MULTI_LM, X8, sizes=("quickx8", "gpt2x8")),
-    *_grid("multi-gpu", "resnet", MULTI_RESNET, X8, sizes=("quickx8", "fullx8")),
-    *_grid("multi-gpu", "lm", MULTI_LM[:4], ("h100x2x4-hsdp",), sizes=("quickx8", "gpt2x8")),
     # Loss scaling: optimizer step and fp16 train step (was kernel_count.py).
     *_grid("opt-step", "opt-blocks", OPT_VARIANTS, anchor="optax-adam"),
     *_grid("opt-step", "mlp", MLP_VARIANTS, anchor="bare"),
@@ -87,6 +83,10 @@ CASES = (
         for m in ("opt-lm", "lm")
         for v in MEMORY_MODES
     ),
+    # 8 H100s: LM FSDP, ResNet data parallel, LM HSDP (was multi_gpu_cost.py).
+    *_grid("multi-gpu", "lm", MULTI_LM, X8, sizes=("quickx8", "gpt2x8")),
+    *_grid("multi-gpu", "resnet", MULTI_RESNET, X8, sizes=("quickx8", "fullx8")),
+    *_grid("multi-gpu", "lm", MULTI_LM[:4], ("h100x2x4-hsdp",), sizes=("quickx8", "gpt2x8")),
     # Throughput on a real GPU (skipped without one; was gpu.py).
     *_grid("gpu", "resnet", BASE[:-1] + CONVBN[:2], ("gpu",)),
     *_grid("gpu", "lm", BASE[:-1], ("gpu",)),

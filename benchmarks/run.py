@@ -5,6 +5,7 @@
     python benchmarks/run.py --only cost/lm,fp8-conv --target h100
     python benchmarks/run.py --resume           # run only the cases not yet `ok` in the file
     python benchmarks/run.py --list             # the case names
+    python benchmarks/run.py --jobs 2           # the H100 cases in 2 gpu-aot processes
 
 `--json FILE` (default `benchmarks/results.json`) is rewritten after every case, so an
 interrupted run keeps what it measured and `--resume` finishes it. The docs' tables and plots
@@ -55,17 +56,33 @@ def _header(argv: list[str]) -> dict:
 
 
 def _delegate(names: list[str], args) -> str | None:
-    """Runs `names` under `$MPJAX_GPU_AOT_PYTHON`; returns why not if it cannot."""
+    """Runs `names` under `$MPJAX_GPU_AOT_PYTHON` in `args.jobs` child processes and adds
+    their records to the results file; returns why not if it cannot."""
     python = os.environ.get(ENV_PYTHON)
     if not python:
         return (
             f"deviceless H100 compile unavailable: no CUDA plugin here and {ENV_PYTHON} is not "
             "set (see CONTRIBUTING.md, the gpu-aot environment)"
         )
-    cmd = [python, str(Path(__file__).resolve()), "--child", "--json", str(args.json)]
-    cmd += ["--only", ",".join(names)] + ["--quick"] * args.quick
+    from benchmarks import harness
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    subprocess.run(cmd, env=env, cwd=ROOT, check=False)
+    parts = [args.json.with_suffix(f".part{i}.json") for i in range(args.jobs)]
+    procs = []
+    for i, part in enumerate(parts):
+        part.unlink(missing_ok=True)
+        cmd = [python, str(Path(__file__).resolve()), "--child", "--json", str(part)]
+        cmd += ["--only", ",".join(names[i :: args.jobs])] + ["--quick"] * args.quick
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
+    for proc in procs:
+        proc.wait()
+    results = harness.load_results(args.json)
+    by_name = {r["name"]: r for r in results["records"]}
+    for part in parts:
+        by_name.update({r["name"]: r for r in harness.load_results(part)["records"]})
+        part.unlink(missing_ok=True)
+    results["records"] = list(by_name.values())
+    harness.save_results(args.json, results)
     return None
 
 
@@ -92,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="the results file")
     p.add_argument("--resume", action="store_true", help="keep the file's ok records")
     p.add_argument("--list", action="store_true", help="print the selected case names")
+    p.add_argument("--jobs", type=int, default=1, help="child processes for the H100 cases")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: expected at least 1")
     from benchmarks import harness
     from benchmarks.cases import CASES, MODELS
 
