@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     remote = [c for c in cases if c not in local]
     header = _header(argv)
     results = harness.run_cases(local, MODELS, args.quick, args.json, header, args.resume)
+    if args.resume:  # the children start from empty files: skip what is already ok here
+        done = {r["name"] for r in results["records"] if r["status"] == "ok"}
+        remote = [c for c in remote if c.name not in done]
     if remote:
         why = _delegate([c.name for c in remote], args)
         if why:
