@@ -58,16 +58,18 @@ def _grid(table, model, variants, targets=("h100",), **kw):
 
 BASE = ("fp32", "bf16", "policy", "policy-rules", "autocast", "fp16-scaled", "fp16-bare")
 CONVBN = ("convbn", "convbn-xla", "convbn-rules", "convbn-rules-xla")
-MULTI_LM = ("bf16", "policy-noop-scaled", "fp16-scaled", "fp16-scaled-pallas")
-MULTI_LM += ("bf16-params-master", "bf16-params-remainder", "fp8-delayed", "fp8-tensorwise")
-MULTI_RESNET = ("bf16", "policy", "fp16-hand", "fp16-bare", "fp16-scaled", "fp16-scaled-pallas")
-MULTI_RESNET += ("convbn-xla", "convbn-pallas")
+# The multi-GPU rows: some base variants, and every variant of state_variants.py's mappings.
+MULTI_LM = ("bf16", "fp16-scaled", *MULTI_LM_VARIANTS, "fp8-delayed", "fp8-tensorwise")
+MULTI_RESNET = ("bf16", "policy", "fp16-bare", "fp16-scaled", "convbn-xla")
+MULTI_RESNET += tuple(MULTI_RESNET_VARIANTS)
+HSDP_LM = ("bf16", "policy-noop-scaled", "fp16-scaled", "fp16-scaled-pallas")
 X8 = ("h100x8", "h100x2x4")
 
 CASES = (
     # Full train steps on one H100 vs hand-written Flax bf16 (was gpu_cost_model.py).
-    *_grid("cost", "resnet", BASE + CONVBN, report=True),
-    *_grid("cost", "lm", BASE, report=True),
+    # Every base variant (train_variants.py) is a row: a new one appears here by itself.
+    *_grid("cost", "resnet", RESNET_VARIANTS, report=True),
+    *_grid("cost", "lm", LM_VARIANTS, report=True),
     # fp8 (was fp8_cost.py, fp8_conv_cost.py, fp8_nnx_cost.py).
     *_grid("fp8", "lm", ("bf16", *FP8_VARIANTS)),
     *_grid("fp8", "lm", ("bf16", *FP8_VARIANTS), sizes=("quick", "wide")),
@@ -86,7 +88,7 @@ CASES = (
     # 8 H100s: LM FSDP, ResNet data parallel, LM HSDP (was multi_gpu_cost.py).
     *_grid("multi-gpu", "lm", MULTI_LM, X8, sizes=("quickx8", "gpt2x8")),
     *_grid("multi-gpu", "resnet", MULTI_RESNET, X8, sizes=("quickx8", "fullx8")),
-    *_grid("multi-gpu", "lm", MULTI_LM[:4], ("h100x2x4-hsdp",), sizes=("quickx8", "gpt2x8")),
+    *_grid("multi-gpu", "lm", HSDP_LM, ("h100x2x4-hsdp",), sizes=("quickx8", "gpt2x8")),
     # Throughput on a real GPU (skipped without one; was gpu.py).
     *_grid("gpu", "resnet", BASE[:-1] + CONVBN[:2], ("gpu",)),
     *_grid("gpu", "lm", BASE[:-1], ("gpu",)),
