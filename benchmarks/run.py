@@ -64,26 +64,33 @@ def _delegate(names: list[str], args) -> str | None:
             f"deviceless H100 compile unavailable: no CUDA plugin here and {ENV_PYTHON} is not "
             "set (see CONTRIBUTING.md, the gpu-aot environment)"
         )
-    from benchmarks import harness
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     parts = [args.json.with_suffix(f".part{i}.json") for i in range(args.jobs)]
     procs = []
     for i, part in enumerate(parts):
-        part.unlink(missing_ok=True)
+        part.unlink(missing_ok=True)  # an interrupted run's: merged first by --resume
         cmd = [python, str(Path(__file__).resolve()), "--child", "--json", str(part)]
         cmd += ["--only", ",".join(names[i :: args.jobs])] + ["--quick"] * args.quick
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
     for proc in procs:
         proc.wait()
-    results = harness.load_results(args.json)
-    by_name = {r["name"]: r for r in results["records"]}
-    for part in parts:
-        by_name.update({r["name"]: r for r in harness.load_results(part)["records"]})
-        part.unlink(missing_ok=True)
-    results["records"] = list(by_name.values())
-    harness.save_results(args.json, results)
+    _merge_parts(args.json)
     return None
+
+
+def _merge_parts(path: Path) -> None:
+    """Adds the records of the children's part files (`<path>.part<i>.json`) to `path`."""
+    from benchmarks import harness
+
+    results = harness.load_results(path)
+    by_name = {r["name"]: r for r in results["records"]}
+    for part in sorted(path.parent.glob(f"{path.stem}.part*.json")):
+        by_name.update({r["name"]: r for r in harness.load_results(part)["records"]})
+        part.unlink()
+    if path.exists() or by_name:
+        results["records"] = list(by_name.values())
+        harness.save_results(path, results)
 
 
 def _unregistered(name: str, why: str) -> dict:
@@ -140,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(c.name for c in cases))
         return 0
+    if args.resume:  # what the children of an interrupted run measured
+        _merge_parts(args.json)
     here = plugin_available()
     local = [c for c in cases if here or not harness.needs_cuda_plugin(c)]
     remote = [c for c in cases if c not in local]
