@@ -188,8 +188,8 @@ def opt_program(params_fn, make_tx, step_fn=None, carry=None) -> TrainProgram:
         if step_fn is None:
             params, opt_state = state
             updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), jnp.float32(0)
-        return step_fn(tx)(*state, grads), jnp.float32(0)
+            return (optax.apply_updates(params, updates), opt_state), None
+        return step_fn(tx)(*state, grads), None  # no loss: a constant output is a kernel
 
     return TrainProgram(init, lambda key: zeros(), step, 0)
 
