@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             harness.save_results(args.json, results)
     results = harness.load_results(args.json)
     known = {c.name for c in CASES}  # records of cases no longer registered are dropped
-    results["records"] = [r for r in results["records"] if r["name"] in known]
+    order = {c.name: i for i, c in enumerate(CASES)}  # registration order, whatever the jobs
+    results["records"] = sorted(
+        (r for r in results["records"] if r["name"] in known), key=lambda r: order[r["name"]]
+    )
     results["finished"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     harness.save_results(args.json, results)
     bad = [r["name"] for r in results["records"] if r["status"] == "error"]
