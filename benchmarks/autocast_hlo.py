@@ -21,7 +21,6 @@ and step time (median and min-max of alternating runs), each also as a ratio to 
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
@@ -225,20 +224,3 @@ def run(quick: bool = False) -> dict:
             "float32 by design (flax bf16 runs its softmax in bf16), which costs bytes."
         ),
     }
-
-
-def _print_table(result: dict) -> None:
-    cols, rows = result["columns"], [[str(c) for c in r] for r in result["rows"]]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    print(result["title"])
-    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    print(result["notes"])
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes")
-    _print_table(run(quick=parser.parse_args().quick))

@@ -1,10 +1,8 @@
 """Shared helpers for the benchmarks: interleaved timing, medians and ranges, XLA cost analysis.
 
-Every benchmark script in this folder exposes `run(quick: bool = False) -> dict` returning
-`{"title": str, "columns": [...], "rows": [[...], ...], "notes": str}`; `benchmarks/run.py`
-collects them. A benchmark may set the module attribute `REQUIRES_GPU = True` (the runner then
-skips it on a machine without a GPU) or raise `Skip("reason")` from `run` to be listed as
-skipped with that reason.
+A study script of this folder (`benchmarks/studies.py`) exposes `run(quick: bool = False)
+-> dict` returning `{"title": str, "columns": [...], "rows": [[...], ...], "notes": str}`;
+it may raise `Skip("reason")` to be recorded as skipped with that reason.
 
 Example:
   >>> times = interleaved_times({"a": step_a, "b": step_b}, rounds=7, steps_per_round=5)
@@ -16,15 +14,12 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
 import os
 import platform
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -32,12 +27,8 @@ __all__ = [
     "check_result",
     "cost_analysis",
     "entry_op_counts",
-    "format_markdown",
-    "format_text",
-    "gpu_available",
     "interleaved_times",
     "machine_info",
-    "main",
     "paired_ratio",
     "summary",
 ]
@@ -45,13 +36,6 @@ __all__ = [
 
 class Skip(Exception):  # noqa: N818 - reads as `raise Skip("no GPU")`
     """Raised by a benchmark's `run` when it cannot run here (no GPU, missing extra)."""
-
-
-def gpu_available() -> bool:
-    """Whether jax's default backend is a GPU."""
-    import jax
-
-    return jax.default_backend() == "gpu"
 
 
 def interleaved_times(
@@ -229,48 +213,6 @@ def time_train_steps(
     return times, losses
 
 
-def _cell(x: Any) -> str:
-    if isinstance(x, float):
-        if x != x:
-            return "n/a"
-        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
-    return str(x).replace("|", "\\|")
-
-
-def format_markdown(result: Mapping[str, Any]) -> str:
-    """A benchmark result as a Markdown table followed by its notes."""
-    cols = list(result["columns"])
-    lines = ["| " + " | ".join(_cell(c) for c in cols) + " |", "|" + "---|" * len(cols)]
-    for row in result["rows"]:
-        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-    notes = result.get("notes", "")
-    if notes:
-        lines += ["", notes]
-    return "\n".join(lines)
-
-
-def emit(result: Mapping[str, Any], json_path: str | None) -> Mapping[str, Any]:
-    """Prints `result` as a text table and, if `json_path` is given, writes it there as JSON."""
-    print(format_text(result))
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1, default=str))
-    return result
-
-
-def format_text(result: Mapping[str, Any]) -> str:
-    """A benchmark result as an aligned plain-text table (for the terminal)."""
-    cols = [str(c) for c in result["columns"]]
-    rows = [[_cell(c) for c in row] for row in result["rows"]]
-    widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
-    out = [result.get("title", ""), ""]
-    out.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    if result.get("notes"):
-        out += ["", result["notes"]]
-    return "\n".join(out)
-
-
 def check_result(result: Any) -> None:
     """Raises ValueError unless `result` follows the benchmark contract."""
     if not isinstance(result, Mapping):
@@ -289,19 +231,3 @@ def check_result(result: Any) -> None:
                     f"benchmark result: row {i} has a {type(cell).__name__} cell; "
                     "cells are str, int or float"
                 )
-
-
-def main(run: Callable[..., dict], argv: Sequence[str] | None = None) -> dict:
-    """The `__main__` of a benchmark script: `--quick` flag, prints the table."""
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        result = run(quick=args.quick)
-    except Skip as exc:
-        raise SystemExit(f"skipped: {exc}") from None
-    check_result(result)
-    print(format_text(result))
-    return result

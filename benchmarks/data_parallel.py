@@ -14,7 +14,7 @@ The measurement runs in a child process started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (device count is fixed when jax
 starts), configurations alternate round by round, and times are medians with min-max.
 
-    python benchmarks/data_parallel.py [--quick]
+    python benchmarks/run.py --only data-parallel [--quick]
 """
 
 from __future__ import annotations
@@ -145,16 +145,5 @@ def run(quick: bool = False) -> dict:
     }
 
 
-def _print_table(result: dict) -> None:
-    print(result["title"])
-    print(" | ".join(result["columns"]))
-    for row in result["rows"]:
-        print(" | ".join(str(c) for c in row))
-    print(result["notes"])
-
-
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        print(_MARK + json.dumps(_worker("--quick" in sys.argv)))
-    else:
-        _print_table(run(quick="--quick" in sys.argv))
+if __name__ == "__main__" and "--worker" in sys.argv:  # the 8-device child of `run`
+    print(_MARK + json.dumps(_worker("--quick" in sys.argv)))

@@ -17,7 +17,7 @@ Ratios are against `original f32` in the same run (latency: paired per round). B
 accessed are XLA's compiled cost analysis of the whole forward pass (weights +
 activations).
 
-Run: `python benchmarks/inference.py [--quick]`.
+Run: `python benchmarks/run.py --only inference` (the benchmark suite; `--quick` for tiny sizes).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import mpjax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     cost_analysis,
     interleaved_times,
-    main,
     paired_ratio,
     summary,
 )
@@ -191,7 +190,3 @@ def run(quick: bool = False) -> dict:
             "Run on a GPU machine to get the GPU figures (same script)."
         ),
     }
-
-
-if __name__ == "__main__":
-    main(run)

@@ -10,13 +10,11 @@ call of a few minutes (mostly compilation).
 Without a GPU (or with `--smoke`) it runs the same code on tiny shapes with the kernels in Pallas
 interpret mode: a check that the script works, not a measurement.
 
-    python benchmarks/kernels_gpu.py            # on a GPU machine
-    python benchmarks/kernels_gpu.py --smoke    # anywhere, tiny shapes
+    python benchmarks/run.py --only kernels-gpu   # on a GPU machine
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -32,7 +30,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import mpjax  # noqa: E402
-from benchmarks.common import format_text  # noqa: E402
 from mpjax.nn import ConvBN  # noqa: E402
 from mpjax.pallas import channel_stats, conv_epilogue, unscale_and_check  # noqa: E402
 
@@ -263,11 +260,3 @@ def _resnet_rows(small: bool, on_gpu: bool, rounds: int, iters: int) -> list:
         case = f"{net} train step {name}, {batch}x{size}x{size}"
         rows += _rows(case, times, None, None, batch=batch)
     return rows
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
-    args = parser.parse_args()
-    print(format_text(run(quick=args.quick, smoke=args.smoke)))

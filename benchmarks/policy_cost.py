@@ -16,7 +16,7 @@ and reports:
   XLA, so independent of the backend's bf16 support).
 
 Targets from the issue: casts per parameter <= 1, temp memory ratio <= 0.55.
-Run: `python benchmarks/policy_cost.py [--quick]`.
+Run: `python benchmarks/run.py --only policy-cpu` (the benchmark suite; `--quick` for tiny sizes).
 """
 
 from __future__ import annotations
@@ -173,16 +173,3 @@ def run(quick: bool = False) -> dict:
             "(Flax still reduces norm statistics in f32)."
         ),
     }
-
-
-def _print(result: dict) -> None:
-    print(result["title"])
-    table = [result["columns"], *result["rows"]]
-    widths = [max(len(str(c)) for c in col) for col in zip(*table, strict=True)]
-    for row in table:
-        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
-    print(result["notes"])
-
-
-if __name__ == "__main__":
-    _print(run(quick="--quick" in sys.argv))

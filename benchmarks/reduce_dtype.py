@@ -1,6 +1,6 @@
 """The dtype gradients are summed across devices in (`Policy.reduce_dtype`): float16 vs float32.
 
-Three measurements, one command (``python benchmarks/reduce_dtype.py [--quick]``):
+Three measurements (``python benchmarks/run.py --only reduce-dtype [--quick]``):
 
   sum     a controlled N-way summation (N = 64 ... 1024) of per-device partial scaled gradients,
           as a ring reduce-scatter adds them: in float16 (each partial rounded to float16, each
@@ -12,9 +12,9 @@ Three measurements, one command (``python benchmarks/reduce_dtype.py [--quick]``
           loss scaling, float16 vs float32 reduction: skipped steps, final loss scale, loss.
   bf16    the same with bfloat16 compute and no loss scaling: bfloat16 vs float32 reduction.
 
-The training runs happen in a child process started with 8 host devices. With
-``--h100`` (run it with the CUDA-plugin environment and ``JAX_PLATFORMS=cpu``) it instead
-prints the gradient collectives of the same train step compiled for 8 deviceless H100s.
+The training runs happen in a child process started with 8 host devices. The suite's
+``reduce-dtype-h100`` case (``_h100_rows``) reads the gradient collectives of the same train
+step compiled for 8 deviceless H100s.
 """
 
 from __future__ import annotations
@@ -285,12 +285,6 @@ def _h100_rows() -> list:
 # ------------------------------------------------------------------ tables
 
 
-def _table(columns, rows) -> str:
-    fmt = [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in fmt])
-
-
 SUM_COLUMNS = [
     "ways",
     "noise / mean",
@@ -328,21 +322,5 @@ def run(quick: bool = False) -> dict:
     }
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    quick = "--quick" in argv
-    if "--worker" in argv:
-        print(_MARK + json.dumps(_worker(quick)))
-        return
-    if "--h100" in argv:
-        print(_table(["policy", "gradient collectives (8 H100s, FSDP)"], _h100_rows()))
-        return
-    result = run(quick)
-    print("N-way summation of partial gradients (4096-element tensors; errors at scale 2^12)\n")
-    print(_table(SUM_COLUMNS, result["sum"]))
-    print(f"\nchar-LM, FSDP over {N_DEVICES} CPU devices\n")
-    print(_table(TRAIN_COLUMNS, result["train"]))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__" and "--worker" in sys.argv:  # the 8-device child of `run`
+    print(_MARK + json.dumps(_worker("--quick" in sys.argv)))

@@ -48,7 +48,6 @@ from flax.training.dynamic_scale import DynamicScale  # noqa: E402
 import mpjax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     cost_analysis,
-    main,
     paired_ratio,
     summary,
     time_train_steps,
@@ -316,7 +315,3 @@ def run(quick: bool = False, sizes: dict | None = None) -> dict:
         "rows": rows,
         "notes": " ".join(notes),
     }
-
-
-if __name__ == "__main__":
-    main(run)

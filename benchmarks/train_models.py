@@ -2,8 +2,8 @@
 GPT-2-like LM, each with a size table (`RESNET_SIZES`, `LM_SIZES`).
 
 `benchmarks/train_variants.py` builds the train steps of every precision variant from these;
-`benchmarks/gpu_cost_model.py` compiles them for an H100 without a device and
-`benchmarks/gpu.py` times them on a real GPU, so both measure the same programs.
+the benchmark suite (`benchmarks/cases.py`) compiles them for an H100 without a device and
+its `gpu` target times them on a real GPU, so both measure the same programs.
 
 ResNet follows Flax's ImageNet example (ResNet v1.5, NHWC, BatchNorm momentum 0.9, last BN of
 each block zero-initialised); the LM is a pre-LayerNorm decoder (learned positions, GELU MLP,
@@ -32,6 +32,9 @@ RESNET_SIZES = {
     "quick": {"stages": (1, 1), "width": 16, "classes": 100, "image": 64, "batch": 16},
     # Tiny, for a CPU smoke run of the GPU benchmark.
     "smoke": {"stages": (1,), "width": 4, "classes": 10, "image": 16, "batch": 2},
+    # Data parallel on 8 GPUs: the same per device (global batch 8x).
+    "fullx8": {"stages": (3, 4, 6, 3), "width": 64, "classes": 1000, "image": 224, "batch": 1024},
+    "quickx8": {"stages": (1, 1), "width": 16, "classes": 100, "image": 64, "batch": 128},
 }
 LM_SIZES = {
     # GPT-2 small: 12 layers, d 768, 12 heads, MLP 3072, seq 1024, batch 8.
@@ -40,6 +43,9 @@ LM_SIZES = {
     "wide": {"layers": 4, "d": 4096, "heads": 32, "mlp": 16384, "seq": 2048, "batch": 4},
     "quick": {"layers": 2, "d": 128, "heads": 4, "mlp": 512, "seq": 128, "batch": 4},
     "smoke": {"layers": 1, "d": 32, "heads": 2, "mlp": 64, "seq": 16, "batch": 2},
+    # FSDP on 8 GPUs: GPT-2 small at global batch 64, the quick LM at 8.
+    "gpt2x8": {"layers": 12, "d": 768, "heads": 12, "mlp": 3072, "seq": 1024, "batch": 64},
+    "quickx8": {"layers": 2, "d": 128, "heads": 4, "mlp": 512, "seq": 128, "batch": 8},
 }
 VOCAB = {"full": 50304, "quick": 2048, "smoke": 64}
 

@@ -3,8 +3,8 @@
 A variant is a builder `fn(cfg) -> TrainProgram` in `RESNET_VARIANTS` or `LM_VARIANTS`
 (read-only mappings; `VARIANTS[model]` picks one). `cfg` is a size entry of
 `benchmarks/train_models.py` plus `"vocab"` for the LM. The cost model
-(`benchmarks/gpu_cost_model.py`) compiles `jax.jit(program.step, donate_argnums=0)` on
-abstract `init`/`batch` outputs; `benchmarks/gpu.py` runs the same steps on a GPU.
+(the suite's cases, `benchmarks/cases.py`) compiles `jax.jit(program.step, donate_argnums=0)` on
+abstract `init`/`batch` outputs; the `gpu` target times the same steps on a GPU.
 
 To add variants in another file (e.g. fp8), write builders with `resnet_program` /
 `lm_program` and merge: `{**LM_VARIANTS, "fp8": build_fp8}`; the cost model's
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 import mpjax
-from benchmarks.train_models import LM, ConvBNResNet, ResNet
+from benchmarks.train_models import LM, VOCAB, ConvBNResNet, ResNet
 
 __all__ = [
     "FP16",
@@ -45,6 +45,7 @@ __all__ = [
     "RULES",
     "VARIANTS",
     "TrainProgram",
+    "lm_config",
     "lm_program",
     "resnet_program",
 ]
@@ -74,6 +75,12 @@ class TrainProgram(NamedTuple):
     batch: Callable[[jax.Array], Any]
     step: Callable[[Any, Any], tuple[Any, jax.Array]]
     items: int
+
+
+def lm_config(cfg: dict, size: str) -> dict:
+    """An `LM_SIZES` entry named `size` with its vocabulary (`"vocab"`), as `lm_program` needs."""
+    vocab = VOCAB[size if size in ("quick", "smoke") else "quick" if "quick" in size else "full"]
+    return {**cfg, "vocab": vocab}
 
 
 def _scaled_grad(loss_fn, params, opt_state, scaled: bool):

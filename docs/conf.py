@@ -17,15 +17,12 @@ ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # document the checkout's mpjax, not an installed copy
 sys.path.insert(0, str(DOCS))
 
-from memory_tables import write_memory_tables  # noqa: E402
-from performance_tables import write_performance_tables  # noqa: E402
-
 import mpjax  # noqa: E402
+from benchmarks.tables import write_docs  # noqa: E402
 
-# The performance page's figures are generated from benchmarks/results.json on every build.
-write_performance_tables(ROOT / "benchmarks" / "results.json", DOCS / "_generated")
-# The memory guide's, from benchmarks/memory_results.json (`python benchmarks/memory.py`).
-write_memory_tables(ROOT / "benchmarks" / "memory_results.json", DOCS / "_generated")
+# The performance and memory pages' tables and plots are generated on every build from
+# benchmarks/results.json, which one command writes: `python benchmarks/run.py`.
+write_docs(ROOT / "benchmarks" / "results.json", DOCS / "_generated")
 
 project = "mpjax"
 author = "mpjax authors"

@@ -1,7 +1,6 @@
-"""The benchmark suite runs end to end and writes well-formed results (so it cannot rot)."""
+"""The benchmarks' shared helpers, a study through the runner."""
 
 import json
-import math
 import subprocess
 import sys
 import textwrap
@@ -91,123 +90,24 @@ def test_check_result_names_the_culprit():
         common.check_result({**good, "rows": [["x"]]})
     with pytest.raises(ValueError, match="list cell"):
         common.check_result({**good, "rows": [["x", [1]]]})
-    md = common.format_markdown(good)
-    assert md.splitlines()[:3] == ["| a | b |", "|---|---|", "| x | 1 |"]
-
-
-# --- the runner ----------------------------------------------------------------------------
-
-FAKE_BENCHMARKS = {
-    "ok_bench": """
-        def run(quick=False):
-            return {"title": "Fake ok", "columns": ["name", "ratio"],
-                    "rows": [["a", 1.0], ["b", 0.5 if quick else 2.0]], "notes": "n"}
-    """,
-    "needs_extra": """
-        import mpjax_test_not_installed_pkg  # an optional extra that is missing
-        def run(quick=False):
-            raise AssertionError("unreachable")
-    """,
-    "broken": """
-        def run(quick=False):
-            raise RuntimeError("boom in broken")
-    """,
-    "malformed": """
-        def run(quick=False):
-            return {"title": "no columns"}
-    """,
-    "repo_bug": """
-        import mpjax.no_such_submodule  # a bug in the repo, not a missing extra
-        def run(quick=False):
-            return {}
-    """,
-    "needs_device": """
-        REQUIRES_GPU = True
-        def run(quick=False):
-            raise AssertionError("must not run without a GPU")
-    """,
-    "self_skips": """
-        import common  # as a script run from inside benchmarks/ would import it
-        def run(quick=False):
-            raise common.Skip("needs a TPU pod")
-    """,
-    "helper": """
-        X = 1  # no run(): not a benchmark
-    """,
-}
-
-
-def test_runner_classifies_every_outcome_and_reports_them(tmp_path):
-    bench_dir = tmp_path / "bench"
-    bench_dir.mkdir()
-    for name, body in FAKE_BENCHMARKS.items():
-        (bench_dir / f"{name}.py").write_text(textwrap.dedent(body))
-    out = tmp_path / "out"
-    proc = _run_runner("--quick", "--bench-dir", str(bench_dir), "--out", str(out))
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # errors make the run fail
-
-    data = json.loads((out / "results.json").read_text())
-    status = {name: rec["status"] for name, rec in data["benchmarks"].items()}
-    gpu_status = "ok" if jax.default_backend() == "gpu" else "skipped"
-    assert status == {
-        "ok_bench": "ok",
-        "needs_extra": "skipped",
-        "broken": "error",
-        "malformed": "error",
-        "repo_bug": "error",
-        "needs_device": gpu_status if gpu_status == "skipped" else "error",
-        "self_skips": "skipped",
-    }
-    recs = data["benchmarks"]
-    assert recs["ok_bench"]["result"]["rows"][1] == ["b", 0.5]  # quick=True reached run()
-    assert "mpjax_test_not_installed_pkg" in recs["needs_extra"]["reason"]
-    assert "boom in broken" in recs["broken"]["reason"]
-    assert "'columns'" in recs["malformed"]["reason"]
-    assert "mpjax.no_such_submodule" in recs["repo_bug"]["reason"]
-    assert recs["self_skips"]["reason"] == "needs a TPU pod"
-    if gpu_status == "skipped":
-        assert "GPU-only" in recs["needs_device"]["reason"]
-    assert data["quick"] is True
-
-    md = (out / "RESULTS.md").read_text()
-    assert "## Fake ok" in md and "| name | ratio |" in md and "| b | 0.5 |" in md
-    assert "`needs_extra.py`: skipped" in md and "`broken.py`: error" in md
-    assert "helper" not in md
-    assert "[skipped] needs_device" in proc.stdout or gpu_status == "ok"
-
-
-def test_runner_reads_a_literal_timeout_scale(tmp_path):
-    from benchmarks import run
-
-    (tmp_path / "slow.py").write_text("TIMEOUT_SCALE = 3\ndef run(quick=False): ...\n")
-    (tmp_path / "plain.py").write_text("X = 2\n")
-    (tmp_path / "computed.py").write_text("TIMEOUT_SCALE = 1 + 2\n")
-    assert run.timeout_scale(tmp_path / "slow.py") == 3.0
-    assert run.timeout_scale(tmp_path / "plain.py") == 1.0
-    assert run.timeout_scale(tmp_path / "computed.py") == 1.0  # a literal only
-
-
-def test_runner_rejects_unknown_names(tmp_path):
-    proc = _run_runner("--only", "no_such_benchmark", "--out", str(tmp_path))
-    assert proc.returncode != 0
-    assert "no_such_benchmark" in proc.stderr
-    assert not (tmp_path / "results.json").exists()
 
 
 @pytest.mark.slow
 def test_quick_suite_writes_step_overhead_table(tmp_path):
-    proc = _run_runner("--quick", "--only", "step_overhead,gpu", "--out", str(tmp_path))
+    out = tmp_path / "results.json"
+    proc = _run_runner("--quick", "--only", "step-overhead,gpu/", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
-    data = json.loads((tmp_path / "results.json").read_text())
+    data = json.loads(out.read_text())
     machine = data["machine"]
     assert machine["jax"] == jax.__version__
     assert isinstance(machine["cpu_count"], int) and machine["cpu_count"] >= 1
     assert machine["platform"] == jax.default_backend()
 
-    rec = data["benchmarks"]["step_overhead"]
+    records = {r["table"]: r for r in data["records"]}
+    rec = records["step-overhead"]
     assert rec["status"] == "ok", rec
-    result = rec["result"]
+    result = rec["figures"]
     common.check_result(result)
     cols = result["columns"]
     # Every variant is timed with and without donation, each against bare optax in its mode.
@@ -228,50 +128,7 @@ def test_quick_suite_writes_step_overhead_table(tmp_path):
         assert all(rows[n]["bytes ratio"] > 1.0 for n in names[1:])
     assert "not donated, mpjax / flax DynamicScale" in result["notes"]
 
-    gpu = data["benchmarks"]["gpu"]
+    gpu = records["gpu"]
     if jax.default_backend() != "gpu":
         assert gpu["status"] == "skipped" and "GPU" in gpu["reason"]
-
-    md = (tmp_path / "RESULTS.md").read_text()
-    assert result["title"] in md
-    assert "| variant | donated | bytes accessed (MB) | bytes ratio |" in md
-    assert f"| jax / jaxlib | {jax.__version__}" in md
-    assert "| CPUs |" in md
-    assert "quick mode" in md
-
-
-@pytest.mark.slow
-def test_gpu_script_smoke_mode_runs_each_precision(capsys):
-    from benchmarks import gpu, train_variants
-
-    result = gpu.main(["--smoke"])
-    assert "SMOKE RUN" in capsys.readouterr().out
-    common.check_result(result)
-    cols = result["columns"]
-    rows = {(row[0], row[1]): dict(zip(cols, row, strict=True)) for row in result["rows"]}
-    for model in ("resnet", "lm"):
-        # Every registered variant of the model is timed, under its label.
-        expected = [k for k, v in gpu.VARIANTS.items() if v in train_variants.VARIANTS[model]]
-        assert [label for m, label in rows if m == model] == expected
-        for label in expected:
-            row = rows[(model, label)]
-            assert row["items/s (median)"] > 0
-            low, total = map(int, row["low-precision matmuls"].split("/"))
-            assert total > 0
-            # mpjax's paths really run their matmuls in low precision (fp32 none).
-            if label == "fp32":
-                assert low == 0
-            else:
-                assert low > 0, (model, label)
-            # Finite everywhere, autocast's LM included (its padding mask constant saturates).
-            assert math.isfinite(row["last loss"]), (model, label, row["last loss"])
-        assert rows[(model, "fp32")]["x fp32"] == 1.0
-        assert rows[(model, gpu.ANCHOR)]["x anchor"] == 1.0
-    # fp8: every variant timed; the direct forms really feed fp8 operands to their GEMMs,
-    # Flax's quantise-dequantise form none (its GEMMs take bf16).
-    fp8 = {label: row for (m, label), row in rows.items() if m == "lm-fp8 quick"}
-    assert list(fp8) == list(gpu.FP8_LABELS)
-    for label, row in fp8.items():
-        assert math.isfinite(row["last loss"]) and row["items/s (median)"] > 0, label
-        no_fp8 = label in (gpu.ANCHOR, "Flax Fp8DotGeneralOp")
-        assert (row["fp8 matmuls"] == 0) == no_fp8, (label, row["fp8 matmuls"])
+    assert data["quick"] and data["command"].startswith("python benchmarks/run.py --quick")

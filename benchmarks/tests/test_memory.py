@@ -1,6 +1,7 @@
-"""`benchmarks/memory.py`: one command writes the bytes, cost-model and convergence tables.
+"""The memory figures of the suite: the committed results' bytes per parameter per mode, and
+the convergence study (`benchmarks/memory_convergence.py`).
 
-The convergence part runs here in `--quick` form (small models, short runs): its structure,
+The convergence study runs here in quick form (small models, short runs): its structure,
 the bytes per parameter of each mode's trained state, and that the char-LM with a float32
 master and with `master_weights="remainder"` train bit for bit alike (seed 0).
 No timings are asserted.
@@ -10,17 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import memory, memory_convergence
+from benchmarks import memory_convergence, tables
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs"))
-
-from memory_tables import SECTIONS, write_memory_tables  # noqa: E402
 
 # Bytes per param of each mode's state: scalar counters add < 0.05; int8 state adds a
 # float32 scale per block of up to 256 elements of each leaf (more on small leaves).
@@ -47,26 +44,27 @@ def _slack(mode: str) -> float:
     return 0.5 if "int8" in mode else 0.05
 
 
+# Bytes per param of each memory mode's state (benchmarks/state_variants.py MEMORY_MODES).
+STATE_BYTES = {
+    "state-adamw": 12,
+    "state-scaled": 12,
+    "state-master": 14,
+    "state-remainder": 12,
+    "state-master-bf16": 10,
+    "state-remainder-bf16": 8,
+    "state-remainder-int8": 6,
+}
+
+
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    path = tmp_path_factory.mktemp("memory") / "memory.json"
-    argv = ["--quick", "--no-costs", "--char-lm-seeds", "1", "--digits-seeds", "2"]
-    argv += ["--json", str(path)]
-    returned = memory.main(argv)
-    return returned, json.loads(path.read_text()), path
+def quick():
+    return memory_convergence.run(True, char_lm_seeds=1, digits_seeds=2)
 
 
-def test_quick_command_writes_state_and_convergence(quick):
-    returned, result, path = quick
-    assert result == json.loads(json.dumps(returned))
-    assert result["size"] == "quick" and "step" not in result
-    assert {r["mode"] for r in result["state"]} == set(memory.MODES)
-    about = result["about"]
-    want = "python benchmarks/memory.py --quick --no-costs --char-lm-seeds 1 --digits-seeds 2"
-    assert about["command"] == want
+def test_quick_convergence_rows(quick):
+    result = json.loads(json.dumps(quick))
     assert not re.search(r"(?<![\w.])/[A-Za-z]", json.dumps(result))  # no absolute paths
-
-    lm = result["convergence"]["char_lm"]
+    lm = result["char_lm"]
     assert [r["mode"] for r in lm["rows"]] == list(memory_convergence.CHAR_LM_MODES)
     assert lm["steps"] == memory_convergence.QUICK_CHAR_LM["steps"] and lm["seeds"] == 1
     for r in lm["rows"]:
@@ -79,7 +77,7 @@ def test_quick_command_writes_state_and_convergence(quick):
         )
     assert lm["rows"][0]["vs_float32_state_pct"] == 0.0
 
-    d = result["convergence"]["digits"]
+    d = result["digits"]
     assert [r["mode"] for r in d["rows"]] == list(memory_convergence.DIGITS_MODES)
     assert d["seeds"] == 2 and d["test_images"] > 0
     for r in d["rows"]:
@@ -98,7 +96,7 @@ def test_remainder_trains_bit_for_bit_like_the_float32_master(quick):
     on XLA:CPU with AVX2; none with `--xla_cpu_max_isa=SSE4_2`). `tests/scaling/test_memory.py`
     checks the update itself bit for bit, fed the same gradients.
     """
-    lm = quick[1]["convergence"]["char_lm"]
+    lm = quick["char_lm"]
     check = lm["bit_identical"]
     assert check["pair"] == list(memory_convergence.IDENTICAL_PAIR)
     assert check["losses"] and check["metric"] and check["masters"]
@@ -121,30 +119,32 @@ def test_bit_identical_tells_runs_apart(quick):
     assert other["differing_master_elements"] > 0
 
 
-def test_docs_tables_generate_from_the_json(quick, tmp_path):
-    paths = write_memory_tables(quick[2], tmp_path)
-    assert [p.stem for p in paths] == list(SECTIONS)
-    text = {p.stem: p.read_text() for p in paths}
-    assert "Not measured in this run" in text["memory_step"]
+def test_docs_tables_generate_from_the_results(quick):
+    record = {"table": "convergence", "status": "ok", "figures": quick}
+    text = tables.pages({"records": [record]})
     assert "bit for bit identical" in text["memory_char_lm"]
     assert text["memory_char_lm"].count("\n|") == 1 + len(memory_convergence.CHAR_LM_MODES)
     assert text["memory_digits"].count("\n|") == 1 + len(memory_convergence.DIGITS_MODES)
+    assert "Not measured in this run" in text["memory_step"]
 
 
-def test_committed_results_are_one_full_run():
-    """benchmarks/memory_results.json (the docs' source) is a full run of every section."""
-    result = json.loads((ROOT / "benchmarks" / "memory_results.json").read_text())
-    assert result["size"] == "gpt2"
-    assert result["about"]["command"].startswith("python benchmarks/memory.py")
-    assert "--quick" not in result["about"]["command"]
-    assert {r["mode"] for r in result["step"]} == set(memory.MODES)
-    assert {r["mode"] for r in result["train_step"]} == set(memory.MODES)
-    lm = result["convergence"]["char_lm"]
-    assert lm["steps"] == 500
+def test_committed_results_are_one_run_of_the_suite():
+    """benchmarks/results.json (the docs' source): one `run.py` command, every memory mode."""
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    assert results["command"].startswith("python benchmarks/run.py")
+    assert "--only" not in results["command"] and "finished" in results
+    assert not re.search(r"(?<![\w.])/[A-Za-z]", json.dumps(results))  # no absolute paths
+    memory = [r for r in results["records"] if r["table"] == "memory" and r["model"] == "opt-lm"]
+    assert {r["variant"] for r in memory} == set(STATE_BYTES)
+    for r in memory:
+        f = r["figures"]
+        slack = 0.5 if "int8" in r["variant"] else 0.05
+        assert f["state_bytes"] / f["params"] == pytest.approx(STATE_BYTES[r["variant"]], abs=slack)
+    (conv,) = [r for r in results["records"] if r["table"] == "convergence"]
+    lm = conv["figures"]["char_lm"]
     check = lm["bit_identical"]
     assert len(check["per_seed"]) == lm["seeds"] >= 1
     for r in lm["rows"]:
         assert r["bytes_per_param"] == pytest.approx(
             CHAR_LM_BYTES[r["mode"]], abs=_slack(r["mode"])
         )
-    assert not re.search(r"(?<![\w.])/[A-Za-z]", json.dumps(result))  # no absolute paths

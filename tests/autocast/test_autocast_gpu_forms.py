@@ -1,6 +1,6 @@
 """Autocast emits the forms XLA:GPU keeps narrow; names survive into the HLO metadata.
 
-Jaxpr-level facts behind the H100 cost model (`benchmarks/gpu_cost_model.py`): convolutions
+Jaxpr-level facts behind the H100 cost model (the `cost` cases of `benchmarks/run.py`): convolutions
 and GEMMs on compute-dtype operands in both directions, BatchNorm/LayerNorm returning the
 compute dtype (statistics in float32), embeddings gathered in the compute dtype, and the
 traced function's name stack on every emitted op.

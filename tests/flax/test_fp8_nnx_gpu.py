@@ -1,20 +1,21 @@
 """NNX delayed fp8 on the H100 compile (deviceless): the block GEMMs run as fp8 GEMMs.
 
-Runs `benchmarks/fp8_nnx_cost.py --quick` under `$MPJAX_GPU_AOT_PYTHON`, as the GPU cost guard
+Runs the benchmark suite's `fp8-nnx` cases (`benchmarks/run.py --quick --only fp8-nnx/`)
+under `$MPJAX_GPU_AOT_PYTHON`, as the GPU cost guard
 does (fails under CI without it, skipped elsewhere saying why), and checks the structure of
 the compiled NNX LM train step with default compile options.
 """
 
 import pytest
 
-from tests.helpers.gpu import _run_json
+from tests.helpers.gpu import run_suite
 
 pytestmark = pytest.mark.slow
 
 
 def test_nnx_delayed_block_gemms_are_fp8_on_h100(tmp_path):
-    data = _run_json("benchmarks/fp8_nnx_cost.py", "--quick", tmp=tmp_path)
-    by_variant = {r["variant"]: r for r in data["details"]}
+    figures = run_suite("--quick", "--only", "fp8-nnx/", tmp=tmp_path)
+    by_variant = {variant: f for (_, variant, _), f in figures.items()}
     cfg = by_variant["nnx-fp8-delayed"]["config"]
     tokens, d = cfg["batch"] * cfg["seq"], cfg["d"]
     block = 3 * 2 * tokens * cfg["layers"] * (4 * d * d + 2 * d * cfg["mlp"])

@@ -38,3 +38,12 @@ def _run_json(script: str, *args: str, tmp: Path) -> dict:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def run_suite(*args: str, tmp: Path) -> dict:
+    """`benchmarks/run.py *args` under the gpu-aot python (the benchmark suite, e.g.
+    `"--quick", "--only", "cost/lm/"`): `(model, variant, target) -> figures` of its cases."""
+    data = _run_json("benchmarks/run.py", *args, tmp=tmp)
+    bad = [r for r in data["records"] if r["status"] != "ok"]
+    assert not bad, bad
+    return {(r["model"], r["variant"], r["target"]): r["figures"] for r in data["records"]}

@@ -1,8 +1,8 @@
 """CI guard: mpjax's GPU programs (deviceless H100 compile, GPU cost model) are no worse than
 the hand-written Flax bf16 anchor in what the HLO shows.
 
-The cost model (`benchmarks/gpu_cost_model.py --quick`) and the optimizer-step count
-(`benchmarks/kernel_count.py`, 120 leaves) run in a subprocess under the python named by
+The benchmark suite's cost-model cases (`benchmarks/run.py --quick --only cost/`) and its
+optimizer-step cases (`--only opt-step/`, 120 leaves) run in a subprocess under the python named by
 `$MPJAX_GPU_AOT_PYTHON` (a second environment with the `gpu-aot` wheels; `.ci/run` makes it),
 with `JAX_PLATFORMS=cpu`, so this suite's environment keeps no CUDA plugin. Without the
 variable the guard fails under CI (`CI=true`) and is skipped elsewhere, saying why.
@@ -14,7 +14,7 @@ Checks, per (model, mpjax low-precision variant), against the anchor `bf16` of t
 - `temp`: temp memory <= 1.02x; `roofline`: <= 1.01x (fp16 + loss scaling: 1.02x).
 Loss scaling: the loss-scaled optimizer step <= 1.15x the bare optax step's bytes and
 <= 130 kernels (120 leaves); the full fp16 train step (the cost model's models and
-kernel_count's MLP) <= 1.05x the same step without scaling.
+the opt-step MLP) <= 1.05x the same step without scaling.
 
 Checks failing on today's code are marked `xfail(strict=True)` with the reason: when a fix
 lands the check passes, strict xfail turns that into a failure, and the mark goes.
@@ -26,7 +26,7 @@ import math
 
 import pytest
 
-from tests.helpers.gpu import _run_json
+from tests.helpers.gpu import run_suite
 
 TEMP_MARGIN, ROOFLINE_MARGIN, FP16_ROOFLINE_MARGIN, CONVERT_MARGIN = 1.02, 1.01, 1.02, 1.05
 OPT_BYTES_MARGIN, OPT_MAX_KERNELS, FP16_STEP_BYTES_MARGIN = 1.15, 130, 1.05
@@ -34,7 +34,7 @@ OPT_BYTES_MARGIN, OPT_MAX_KERNELS, FP16_STEP_BYTES_MARGIN = 1.15, 130, 1.05
 KNOWN_FAILING = {
     # Quick size only (14 MiB of temp): the fp16 LM without loss scaling is already 1.054x
     # the bf16 anchor's temp there, with loss scaling 1.072x; at full size 1.001x
-    # (benchmarks/RESULTS.md), within the margin.
+    # (benchmarks/results.json), within the margin.
     ("lm", "fp16-scaled", "temp"): "quick-size fp16 LM temp buffers; 1.001x at full size",
 }
 MPJAX_PATHS = {
@@ -61,15 +61,16 @@ def _case(model, variant, check):
 
 @pytest.fixture(scope="module")
 def cost(tmp_path_factory):
-    data = _run_json("benchmarks/gpu_cost_model.py", "--quick", tmp=tmp_path_factory.mktemp("c"))
-    return {(r["model"], r["variant"]): r for r in data["details"]}
+    figures = run_suite("--quick", "--only", "cost/", tmp=tmp_path_factory.mktemp("c"))
+    return {(model, variant): f for (model, variant, _), f in figures.items()}
 
 
 @pytest.fixture(scope="module")
 def opt_step(tmp_path_factory):
-    data = _run_json("benchmarks/kernel_count.py", tmp=tmp_path_factory.mktemp("k"))
-    assert data["n_leaves"] == 120
-    return data["details"]
+    """The optimizer step of 120 leaves and the fp16 MLP train step (full size: seconds)."""
+    figures = run_suite("--only", "opt-step/", tmp=tmp_path_factory.mktemp("k"))
+    assert 4 * figures[("opt-blocks", "optax-adam", "h100")]["config"]["blocks"] == 120
+    return {(model, variant): f for (model, variant, _), f in figures.items()}
 
 
 def _f32_matmuls(r: dict) -> int:
@@ -120,52 +121,52 @@ def test_fp16_train_step_bytes_near_the_unscaled_step(cost, model):
 
 @pytest.mark.slow
 def test_fp16_mlp_train_step_bytes_near_the_unscaled_step(opt_step):
-    """kernel_count's full fp16 train step (60-layer MLP): mpjax's default vs the bare step."""
-    by_name = {d["pattern"]: d for d in opt_step}
-    bare = by_name["full fp16 train step: bare optax adam"]
-    ratio = by_name["full fp16 train step: mpjax.loss_scaled(adam)"]["bytes"] / bare["bytes"]
+    """The full fp16 train step (60-layer MLP): mpjax's default vs the bare step."""
+    bare = opt_step[("mlp", "bare")]
+    ratio = opt_step[("mlp", "loss-scaled")]["bytes"] / bare["bytes"]
     assert ratio <= FP16_STEP_BYTES_MARGIN, f"{ratio:.3f}x the bytes of the unscaled step"
 
 
 def _opt_rows(opt_step):
-    by_name = {(d["pattern"], d["params"]): d for d in opt_step}
-    bare = by_name[("optax.adam (no loss scaling)", "f32")]
-    scaled = [d for d in opt_step if d["pattern"] == "mpjax.loss_scaled(adam) (default)"]
-    assert len(scaled) == 2, by_name.keys()  # float32 params, bf16 params with float32 master
+    bare = opt_step[("opt-blocks", "optax-adam")]
+    # float32 params, bf16 params with float32 master
+    scaled = {p: opt_step[("opt-blocks", v)] for p, v in (("f32", "loss-scaled"),)}
+    scaled["bf16"] = opt_step[("opt-blocks", "loss-scaled-bf16-params")]
     return bare, scaled
 
 
 @pytest.mark.slow
 def test_loss_scaled_optimizer_step_bytes(opt_step):
     bare, scaled = _opt_rows(opt_step)
-    for d in scaled:
+    for params, d in scaled.items():
         ratio = d["bytes"] / bare["bytes"]
-        assert ratio <= OPT_BYTES_MARGIN, f"{d['params']}: {ratio:.3f}x bare optax adam's bytes"
+        assert ratio <= OPT_BYTES_MARGIN, f"{params}: {ratio:.3f}x bare optax adam's bytes"
 
 
 @pytest.mark.slow
 def test_loss_scaled_optimizer_step_kernels(opt_step):
     bare, scaled = _opt_rows(opt_step)
     assert bare["kernels"] >= 120  # at least one kernel per leaf: the count is real
-    for d in scaled:
-        assert d["kernels"] <= OPT_MAX_KERNELS, f"{d['params']}: {d['kernels']} kernels"
+    for params, d in scaled.items():
+        assert d["kernels"] <= OPT_MAX_KERNELS, f"{params}: {d['kernels']} kernels"
 
 
 MULTI_GPU_BYTES_MARGIN = 1.01
 SHARD_SIZED_OPS = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def _multi_gpu_quick(tmp, variants: str, *extra: str) -> dict:
-    """benchmarks/multi_gpu_cost.py --quick on 8 deviceless H100s: variant -> its figures."""
-    args = ("--quick", *extra, "--topologies", "1x1x8", "--variants", variants)
-    data = _run_json("benchmarks/multi_gpu_cost.py", *args, tmp=tmp)
-    return {r["variant"]: r for r in data["details"]}
+def _multi_gpu_quick(tmp, model: str, variants: str, target: str = "h100x8") -> dict:
+    """The suite's multi-gpu cases at quick size on 8 deviceless H100s: variant -> figures."""
+    size = "gpt2x8" if model == "lm" else "fullx8"
+    only = ",".join(f"multi-gpu/{model}:{size}/{v}@{target}" for v in variants.split(","))
+    figures = run_suite("--quick", "--only", only, tmp=tmp)
+    return {variant: f for (_, variant, _), f in figures.items()}
 
 
 @pytest.fixture(scope="module")
 def multi_gpu(tmp_path_factory):
     variants = "bf16,fp16-scaled,fp16-scaled-pallas,fp8-tensorwise"
-    return _multi_gpu_quick(tmp_path_factory.mktemp("m"), variants)
+    return _multi_gpu_quick(tmp_path_factory.mktemp("m"), "lm", variants)
 
 
 @pytest.mark.slow
@@ -197,7 +198,7 @@ def test_fp8_tensorwise_fsdp_gathers_weight_shards_in_fp8(multi_gpu):
 @pytest.fixture(scope="module")
 def resnet_dp(tmp_path_factory):
     variants = "bf16,fp16-bare,fp16-scaled,fp16-scaled-pallas,convbn-xla,convbn-pallas"
-    return _multi_gpu_quick(tmp_path_factory.mktemp("r"), variants, "--model", "resnet")
+    return _multi_gpu_quick(tmp_path_factory.mktemp("r"), "resnet", variants)
 
 
 @pytest.mark.slow
@@ -225,17 +226,8 @@ def test_convbn_pallas_data_parallel_gathers_no_activations(resnet_dp):
 
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory):
-    args = ("--mesh", "hsdp", "--topologies", "2x1x4")
     variants = "bf16,fp16-scaled,fp16-scaled-pallas"
-    data = _run_json(
-        "benchmarks/multi_gpu_cost.py",
-        "--quick",
-        *args,
-        "--variants",
-        variants,
-        tmp=tmp_path_factory.mktemp("h"),
-    )
-    return {r["variant"]: r for r in data["details"]}
+    return _multi_gpu_quick(tmp_path_factory.mktemp("h"), "lm", variants, "h100x2x4-hsdp")
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 Lowering runs the Pallas-to-Triton translation (block shapes, masks, reductions, loops), which
 interpret mode never exercises; compiling the Triton IR to PTX needs the GPU toolchain (see
-benchmarks/kernel_count.py for a deviceless H100 compile).
+the benchmark suite's `opt-step` cases for a deviceless H100 compile).
 """
 
 import functools

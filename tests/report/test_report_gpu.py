@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mpjax._src.report.records import dtype_name
-from tests.helpers.gpu import _run_json
+from tests.helpers.gpu import _run_json, run_suite
 from tests.helpers.report import KEPT
 
 COMPUTE = ["bfloat16", "float16"]
@@ -70,9 +70,9 @@ def test_h100_runs_every_fp8_gemm_in_fp8(h100):
 @pytest.fixture(scope="module")
 def cost_model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cost")
-    args = ("--quick", "--model", "all", "--variants", "bf16,policy-rules")
-    data = _run_json("benchmarks/gpu_cost_model.py", *args, tmp=tmp)
-    return {(r["model"], r["variant"]): r for r in data["details"]}
+    only = "cost/resnet/bf16@,cost/resnet/policy-rules@,cost/lm/bf16@,cost/lm/policy-rules@"
+    figures = run_suite("--quick", "--only", only, tmp=tmp)
+    return {(model, variant): f for (model, variant, _), f in figures.items()}
 
 
 @pytest.mark.parametrize("model", ["resnet", "lm"])
