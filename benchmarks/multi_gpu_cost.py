@@ -73,6 +73,7 @@ from mpjax._src.analysis.collectives import (  # noqa: E402
     summary,
 )
 from mpjax._src.analysis.target import h100_topology  # noqa: E402
+from mpjax.scaling import Blockwise8  # noqa: E402
 
 REQUIRES_GPU = False
 TITLE = "Multi-GPU cost model: train steps on 8 deviceless H100s, vs hand-written bf16"
@@ -110,14 +111,28 @@ def _scaled(module_fn, loss_scale=None, **kw):
 BF16_PARAMS = "params=bfloat16,compute=bfloat16,output=float32"
 
 
-def _bf16_params(master_weights: str):
+def fsdp_block_size(shape: tuple, n: int = 8) -> int:
+    """int8 state blocks (along the last axis) that `fsdp_spec` never splits: a divisor of
+    each device's piece when the last axis is the one split, else up to 256."""
+    last = shape[-1] if shape else 1
+    spec = fsdp_spec(shape, n)
+    piece = last // n if shape and len(spec) == len(shape) and spec[-1] == AXIS else last
+    return max(b for b in range(1, min(256, piece) + 1) if piece % b == 0)
+
+
+def _bf16_params(master_weights: str, state=None):
     """bf16-stored params (policy `param_dtype=bfloat16`) with `loss_scaled`'s master.
 
     `master_weights="auto"`: a float32 master per param; `"remainder"`: its low 16 bits.
+    `state`: None (float32 Adam state), `jnp.bfloat16` or `jnp.int8` (`low_precision_state`).
     """
 
     def build(cfg):
-        tx = mpjax.loss_scaled(_adamw(), mpjax.NoOpLossScale(), master_weights=master_weights)
+        inner = _adamw()
+        if state is not None:
+            kw = {"block_size": fsdp_block_size} if state == jnp.int8 else {}
+            inner = mpjax.low_precision_state(inner, state, **kw)
+        tx = mpjax.loss_scaled(inner, mpjax.NoOpLossScale(), master_weights=master_weights)
         model = lambda c: mpjax.apply_policy(_lm(c), BF16_PARAMS)  # noqa: E731
         program = _lm_with(model, tx=tx, scaled=True)(cfg)
 
@@ -139,6 +154,10 @@ VARIANTS = {
     "fp16-scaled-pallas": _scaled(lambda c: mpjax.apply_policy(_lm(c), FP16), impl="pallas"),
     "bf16-params-master": _bf16_params("auto"),
     "bf16-params-remainder": _bf16_params("remainder"),
+    "bf16-params-remainder-bf16-state": _bf16_params("remainder", jnp.bfloat16),
+    "bf16-params-remainder-int8-state": _bf16_params("remainder", jnp.int8),
+    "bf16-lce": LM_VARIANTS["bf16-lce"],
+    "policy-lce": LM_VARIANTS["policy-lce"],
     "fp8-delayed": FP8_VARIANTS["fp8-delayed"],
     "fp8-tensorwise": FP8_VARIANTS["fp8-tensorwise"],
 }
@@ -187,11 +206,21 @@ def fsdp_spec(shape: tuple, n: int) -> P:
 
 
 def _placed(tree, mesh: Mesh, spec_fn):
-    def one(x):
-        sharding = NamedSharding(mesh, spec_fn(x))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    def one(x, spec):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, tree)
+    def node(x):
+        if not isinstance(x, Blockwise8):
+            return one(x, spec_fn(x))
+        # int8 state: the scales split like their codes (whole blocks on each device)
+        spec = spec_fn(x.codes)
+        fits = [
+            a if a is None or x.scales.shape[i] % mesh.shape[a] == 0 else None
+            for i, a in enumerate(spec)
+        ]
+        return Blockwise8(one(x.codes, spec), one(x.scales, P(*fits)))
+
+    return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, Blockwise8))
 
 
 MESHES = ("fsdp", "hsdp")

@@ -31,13 +31,14 @@ def _inputs(lead, dtype, seed=0):
     return jnp.asarray(x, dtype), jnp.asarray(k, dtype), jnp.asarray(labels, jnp.int32)
 
 
-def _reference(x, k, labels, ignore_index, z_loss):
-    """The unfused loss in float64 (numpy), and its gradients (x, kernel)."""
+def _reference(x, k, labels, ignore_index, z_loss, bias=None):
+    """The unfused loss in float64 (numpy), and its gradients (x, kernel, bias)."""
     x = np.asarray(x, np.float64).reshape(-1, D)
     k = np.asarray(k, np.float64)
+    bias = np.zeros(k.shape[1]) if bias is None else np.asarray(bias, np.float64)
     labels = np.asarray(labels).reshape(-1)
     valid = np.ones_like(labels, bool) if ignore_index is None else labels != ignore_index
-    logits = x @ k
+    logits = x @ k + bias
     m = logits.max(1, keepdims=True)
     lse = (m + np.log(np.exp(logits - m).sum(1, keepdims=True)))[:, 0]
     safe = np.where(valid, labels, 0)
@@ -48,14 +49,14 @@ def _reference(x, k, labels, ignore_index, z_loss):
     dlogits = (1 + 2 * z_loss * lse)[:, None] * p
     dlogits[np.arange(len(labels)), safe] -= 1.0
     dlogits *= valid[:, None] / n
-    return loss, dlogits @ k.T, x.T @ dlogits
+    return loss, dlogits @ k.T, x.T @ dlogits, dlogits.sum(0)
 
 
-CASES = {  # leading shape, chunk_size, ignore_index, z_loss
-    "ragged-tokens": ((3, 7), 4, None, 0.0),  # 21 tokens in chunks of <= 4
-    "ignore-index": ((2, 9), 5, -100, 0.0),
-    "z-loss": ((2, 9), 8, None, 1e-2),
-    "all-options-one-chunk": ((16,), 64, 3, 1e-3),
+CASES = {  # leading shape, chunk_size, ignore_index, z_loss, bias
+    "ragged-tokens": ((3, 7), 4, None, 0.0, False),  # 21 tokens in chunks of <= 4
+    "ignore-index": ((2, 9), 5, -100, 0.0, False),
+    "z-loss": ((2, 9), 8, None, 1e-2, False),
+    "all-options-one-chunk": ((16,), 64, 3, 1e-3, True),
 }
 
 
@@ -71,17 +72,28 @@ CASES = {  # leading shape, chunk_size, ignore_index, z_loss
     ids=lambda v: v if isinstance(v, str) else {True: "jit", False: "eager"}.get(v, None),
 )
 def test_value_and_gradients_match_the_float64_reference(case, dtype, jit):
-    lead, chunk, ignore, z = CASES[case]
+    lead, chunk, ignore, z, with_bias = CASES[case]
     x, k, labels = _inputs(lead, dtype)
     if ignore is not None:
         labels = labels.at[..., ::3].set(ignore)
+    bias = jnp.linspace(-1.0, 1.0, V, dtype=jnp.float32)
 
-    def loss(x, k):
-        return linear_cross_entropy(x, k, labels, chunk_size=chunk, ignore_index=ignore, z_loss=z)
+    def loss(x, k, bias):
+        b = bias if with_bias else None
+        return linear_cross_entropy(
+            x, k, labels, bias=b, chunk_size=chunk, ignore_index=ignore, z_loss=z
+        )
 
-    fn = jax.value_and_grad(loss, (0, 1))
-    value, (gx, gk) = (jax.jit(fn) if jit else fn)(x, k)
-    want, want_gx, want_gk = _reference(x, k, labels, ignore, z)
+    fn = jax.value_and_grad(loss, (0, 1, 2))
+    value, (gx, gk, gb) = (jax.jit(fn) if jit else fn)(x, k, bias)
+    want, want_gx, want_gk, want_gb = _reference(
+        x, k, labels, ignore, z, bias if with_bias else None
+    )
+    if with_bias:
+        assert gb.dtype == jnp.float32
+        np.testing.assert_allclose(gb, want_gb, atol=1e-6)
+    else:
+        assert not np.asarray(gb).any()  # unused
     assert value.dtype == jnp.float32 and gx.dtype == dtype and gk.dtype == dtype
     # float32: summation order only; bfloat16: the inputs are exact, the gradients rounded
     # to bfloat16 (2**-8 relative) once from a float32 accumulation.
@@ -103,7 +115,7 @@ def test_bfloat16_gemm_with_a_float32_tied_embedding_transpose():
 
     (value, (gx, gt)) = jax.value_and_grad(loss, (0, 1))(x, table)
     k16 = np.asarray(table.T.astype(jnp.bfloat16), np.float64)  # what the GEMM sees
-    want, _, want_gk = _reference(x, k16, labels, None, 0.0)
+    want, _, want_gk, _ = _reference(x, k16, labels, None, 0.0)
     np.testing.assert_allclose(float(value), want, rtol=1e-5)
     assert gt.dtype == jnp.float32 and gx.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(gt).T, want_gk, atol=2**-7 * np.abs(want_gk).max())
@@ -156,7 +168,7 @@ def test_autocast_keeps_it_chunked_with_bfloat16_gemms():
 
     cast = mpjax.autocast(loss, "params=float32,compute=bfloat16,output=float32")
     value, (gx, gk) = jax.value_and_grad(cast, (0, 1))(x, k)
-    want, want_gx, want_gk = _reference(
+    want, want_gx, want_gk, _ = _reference(
         x.astype(jnp.bfloat16), k.astype(jnp.bfloat16), labels, None, 0.0
     )
     np.testing.assert_allclose(float(value), want, rtol=1e-5)
@@ -194,6 +206,7 @@ def test_fsdp_sharded_batch_and_kernel_match_one_device():
         ({"z_loss": -1.0}, ValueError, "z_loss must be a finite float >= 0"),
         ({"ignore_index": 1.5}, TypeError, "ignore_index must be an int or None"),
         ({"dtype": jnp.int32}, TypeError, "dtype must be a floating dtype"),
+        ({"bias": jnp.ones((3,))}, ValueError, r"bias must be None or a floating \[vocab\]"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, error, match):

@@ -6,7 +6,8 @@ gradient), the largest temporary of a language model's step. Here the tokens are
 `chunk_size` at a time in a `lax.scan`: each chunk's logits GEMM runs in the compute dtype
 with a float32 result, its logsumexp and loss in float32; the backward pass recomputes each
 chunk's logits (a `custom_vjp`), forms the float32 softmax gradient, casts it to the compute
-dtype for the two backward GEMMs, and accumulates the kernel's gradient in float32. Only one
+dtype for the two backward GEMMs, and accumulates the kernel's gradient in float32 (rounded
+to the compute dtype once, at the end). Only one
 chunk's `[chunk, vocab]` logits are live at a time (Liger Kernel's fused linear
 cross-entropy, Levanter's blockwise cross-entropy).
 
@@ -75,11 +76,10 @@ def _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype) -> Any:
     return dtype
 
 
-def _chunk_logits(xc, kernel, dtype):
-    """One chunk's logits: the GEMM in `dtype`, its float32 result."""
-    return lax.dot_general(
-        xc.astype(dtype), kernel.astype(dtype), _CONTRACT_LAST, preferred_element_type=_F32
-    )
+def _chunk_logits(xc, kernel, bias):
+    """One chunk's float32 logits: the GEMM in the operands' (compute) dtype, plus the bias."""
+    logits = lax.dot_general(xc, kernel, _CONTRACT_LAST, preferred_element_type=_F32)
+    return logits + bias[None, :]
 
 
 def _label_logit(logits, labels):
@@ -88,13 +88,14 @@ def _label_logit(logits, labels):
     return jnp.sum(jnp.where(vocab == labels[:, None], logits, 0.0), axis=1)
 
 
-def _make(dtype, z_loss: float):
-    """The chunked loss as a `custom_vjp` of (x [n, r, d], kernel, labels [n, r], valid)."""
+def _make(z_loss: float):
+    """The chunked loss as a `custom_vjp` of (x [n, r, d], kernel [d, v], bias [v] float32,
+    labels [n, r], valid [n, r]); x and kernel in the compute dtype."""
 
-    def forward(x, kernel, labels, valid):
+    def forward(x, kernel, bias, labels, valid):
         def body(total, chunk):
             xc, lc, vc = chunk
-            logits = _chunk_logits(xc, kernel, dtype)
+            logits = _chunk_logits(xc, kernel, bias)
             lse = jax.nn.logsumexp(logits, axis=1)
             per_token = lse - _label_logit(logits, lc) + z_loss * lse * lse
             return total + jnp.sum(jnp.where(vc, per_token, 0.0)), lse
@@ -102,35 +103,35 @@ def _make(dtype, z_loss: float):
         return lax.scan(body, jnp.zeros((), _F32), (x, labels, valid))
 
     @jax.custom_vjp
-    def chunked(x, kernel, labels, valid):
-        return forward(x, kernel, labels, valid)[0]
+    def chunked(x, kernel, bias, labels, valid):
+        return forward(x, kernel, bias, labels, valid)[0]
 
-    def fwd(x, kernel, labels, valid):
-        total, lse = forward(x, kernel, labels, valid)
-        return total, (x, kernel, labels, valid, lse)
+    def fwd(x, kernel, bias, labels, valid):
+        total, lse = forward(x, kernel, bias, labels, valid)
+        return total, (x, kernel, bias, labels, valid, lse)
 
     def bwd(res, g):
-        x, kernel, labels, valid, lse = res
+        x, kernel, bias, labels, valid, lse = res
         g = g.astype(_F32)
 
-        def body(dk, chunk):
+        def body(acc, chunk):
+            dk, db = acc
             xc, lc, vc, lse_c = chunk
-            logits = _chunk_logits(xc, kernel, dtype)
+            logits = _chunk_logits(xc, kernel, bias)
             p = jnp.exp(logits - lse_c[:, None])
             vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
             coef = jnp.where(vc, g, 0.0)[:, None]
             dlogits = coef * ((1.0 + 2.0 * z_loss * lse_c)[:, None] * p)
-            dlogits = (dlogits - jnp.where(vocab == lc[:, None], coef, 0.0)).astype(dtype)
-            dx = lax.dot_general(
-                dlogits, kernel.astype(dtype), _CONTRACT_VOCAB, preferred_element_type=_F32
-            )
-            dk = dk + lax.dot_general(
-                xc.astype(dtype), dlogits, _CONTRACT_TOKENS, preferred_element_type=_F32
-            )
-            return dk, dx.astype(x.dtype)
+            dlogits = dlogits - jnp.where(vocab == lc[:, None], coef, 0.0)
+            db = db + jnp.sum(dlogits, axis=0)
+            dlogits = dlogits.astype(x.dtype)
+            dx = lax.dot_general(dlogits, kernel, _CONTRACT_VOCAB, preferred_element_type=_F32)
+            dk = dk + lax.dot_general(xc, dlogits, _CONTRACT_TOKENS, preferred_element_type=_F32)
+            return (dk, db), dx.astype(x.dtype)
 
-        dk, dx = lax.scan(body, jnp.zeros(kernel.shape, _F32), (x, labels, valid, lse))
-        return dx, dk.astype(kernel.dtype), None, None
+        init = (jnp.zeros(kernel.shape, _F32), jnp.zeros(bias.shape, _F32))
+        (dk, db), dx = lax.scan(body, init, (x, labels, valid, lse))
+        return dx, dk.astype(kernel.dtype), db, None, None
 
     chunked.defvjp(fwd, bwd)
     return chunked
@@ -141,6 +142,7 @@ def linear_cross_entropy(
     kernel: jax.Array,
     labels: jax.Array,
     *,
+    bias: jax.Array | None = None,
     chunk_size: int = 1024,
     ignore_index: int | None = None,
     z_loss: float = 0.0,
@@ -150,11 +152,13 @@ def linear_cross_entropy(
 
     Equals `optax.softmax_cross_entropy_with_integer_labels(
     (x @ kernel).astype(float32), labels)` averaged over the non-ignored tokens (plus
-    `z_loss * mean(logsumexp(logits) ** 2)`, PaLM's auxiliary loss), value and gradients,
+    `z_loss * mean(logsumexp(logits) ** 2)`, PaLM's auxiliary loss; logits plus `bias`
+    when given), value and gradients,
     but processes `chunk_size` tokens at a time: the logits GEMM runs in the compute dtype
     with a float32 result, the log-softmax and loss in float32, and the backward pass
     recomputes each chunk's logits, so no `[tokens, vocab]` array is ever held. The
-    gradients of `x` and `kernel` are accumulated in float32 and returned in their dtypes.
+    gradients of `x` and `kernel` are accumulated in float32 and rounded to the compute
+    dtype (as the GEMMs of the unfused loss give them), then cast to their own dtypes.
 
     Under `mpjax.autocast`, which traces in float32 and keeps a `custom_vjp` as traced,
     pass `dtype=` the policy's compute dtype so the GEMMs run in it; under `apply_policy`
@@ -166,6 +170,8 @@ def linear_cross_entropy(
         `[vocab, d]`, its transpose `embedding.T`).
       labels: integer `[...]` (x's leading shape): the target class of each token, in
         `[0, vocab)` (or `ignore_index`).
+      bias: None, or the head's `[vocab]` bias (a Flax `Dense` head's), added to the
+        logits in float32; its gradient is accumulated in float32.
       chunk_size: tokens per step of the loop (of the global batch: with `x` sharded over
         `n` devices, each device processes about `chunk_size / n` per step). Each step holds
         a float32 `[chunk_size, vocab]` block of logits.
@@ -190,6 +196,17 @@ def linear_cross_entropy(
       (dtype('float32'), ())
     """
     dtype = _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype)
+    vocab = kernel.shape[1]
+    if bias is not None and (
+        not hasattr(bias, "dtype")
+        or not jnp.issubdtype(bias.dtype, jnp.floating)
+        or bias.shape != (vocab,)
+    ):
+        got = f"{getattr(bias, 'dtype', type(bias).__name__)}{getattr(bias, 'shape', '')}"
+        raise ValueError(
+            f"linear_cross_entropy: bias must be None or a floating [vocab] = [{vocab}] "
+            f"array, got {got}"
+        )
     d = x.shape[-1]
     tokens = int(np.prod(x.shape[:-1], dtype=np.int64))
     chunks = max(1, -(-tokens // chunk_size))
@@ -208,6 +225,9 @@ def linear_cross_entropy(
     xs = jnp.swapaxes(flat_x.reshape(rows, chunks, d), 0, 1)
     ls = flat_labels.reshape(rows, chunks).T
     vs = valid.reshape(rows, chunks).T
-    total = _make(dtype, float(z_loss))(xs, kernel, ls, vs)
+    # Cast outside the custom_vjp: the gradients leave it in the compute dtype (as a GEMM's
+    # would), so a sharded kernel's gradient is reduced across devices in that dtype.
+    b32 = jnp.zeros((vocab,), _F32) if bias is None else bias.astype(_F32)
+    total = _make(float(z_loss))(xs.astype(dtype), kernel.astype(dtype), b32, ls, vs)
     count = jnp.sum(valid, dtype=jnp.int32)
     return total / jnp.maximum(count, 1).astype(_F32)
