@@ -87,10 +87,10 @@ def loss_rows(cfg: dict, chunk_sizes=(1024, 512)) -> list[dict]:
     return rows
 
 
-def step_rows(cfg: dict) -> list[dict]:
+def step_rows(cfg: dict, variants=STEP_VARIANTS) -> list[dict]:
     mesh = mgc.make_mesh("1x1x8")
     rows = []
-    for variant in STEP_VARIANTS:
+    for variant in variants:
         compiled, _ = mgc.compile_fsdp(mgc.VARIANTS[variant](cfg), mesh)
         m = gcm.measure(compiled)
         records = mgc.collectives(compiled.as_text())
@@ -163,11 +163,14 @@ def _table(section: str, rows: list[dict], key: str) -> list[list]:
     ]
 
 
-def run(quick: bool = False) -> dict:
+SECTIONS = ("loss", "step", "optimizer")
+
+
+def run(quick: bool = False, sections=SECTIONS, variants=STEP_VARIANTS) -> dict:
     cfg = mgc.config(quick)
-    loss = loss_rows(cfg)
-    step = step_rows(cfg)
-    opt = optimizer_rows("quick" if quick else "gpt2")
+    loss = loss_rows(cfg) if "loss" in sections else []
+    step = step_rows(cfg, variants) if "step" in sections else []
+    opt = optimizer_rows("quick" if quick else "gpt2") if "optimizer" in sections else []
     return {
         "title": "Fused loss and int8 state on the cost model" + (" (quick)" if quick else ""),
         "columns": COLUMNS,
@@ -184,8 +187,15 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="of loss,step,optimizer")
+    parser.add_argument("--variants", default=",".join(STEP_VARIANTS), help="train steps")
     args = parser.parse_args(argv)
-    return emit(run(args.quick), args.json)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; known {SECTIONS}")
+    variants = [v for v in args.variants.split(",") if v]
+    return emit(run(args.quick, sections, variants), args.json)
 
 
 if __name__ == "__main__":
