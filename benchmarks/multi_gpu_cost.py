@@ -56,6 +56,7 @@ from benchmarks.gpu_cost_model import delegate_to_gpu_aot, plugin_available  # n
 from benchmarks.train_models import LM_SIZES, RESNET_SIZES, VOCAB  # noqa: E402
 from benchmarks.train_variants import (  # noqa: E402
     FP16,
+    LM_FUSED_LOSS_VARIANTS,
     LM_VARIANTS,
     ONE_STRING,
     RESNET_VARIANTS,
@@ -156,8 +157,7 @@ VARIANTS = {
     "bf16-params-remainder": _bf16_params("remainder"),
     "bf16-params-remainder-bf16-state": _bf16_params("remainder", jnp.bfloat16),
     "bf16-params-remainder-int8-state": _bf16_params("remainder", jnp.int8),
-    "bf16-lce": LM_VARIANTS["bf16-lce"],
-    "policy-lce": LM_VARIANTS["policy-lce"],
+    **LM_FUSED_LOSS_VARIANTS,
     "fp8-delayed": FP8_VARIANTS["fp8-delayed"],
     "fp8-tensorwise": FP8_VARIANTS["fp8-tensorwise"],
 }

@@ -19,7 +19,7 @@ The variants (mpjax's own paths against the hand-written anchor):
 - `fp16-scaled`: `apply_policy(model, FP16)` + `loss_scaled(tx)` (dynamic) + `scale_loss`;
 - `fp16-bare`: the same without loss scaling (the bare step the loss-scaled one is paid
   against; not a usable training recipe);
-- LM only: `bf16-lce` / `policy-lce`: `bf16` / `policy` with the loss computed by
+- `LM_FUSED_LOSS_VARIANTS` (LM): `bf16-lce` / `policy-lce`: `bf16` / `policy`, the loss computed by
   `mpjax.nn.linear_cross_entropy` from the final hidden states and the head's kernel (a
   head without bias, as GPT-2's), never holding the float32 logits;
 - ResNet only: `convbn` / `convbn-xla`: the net on `mpjax.nn.ConvBN` under `ONE_STRING`
@@ -43,6 +43,7 @@ from mpjax.nn import linear_cross_entropy
 
 __all__ = [
     "FP16",
+    "LM_FUSED_LOSS_VARIANTS",
     "LM_VARIANTS",
     "ONE_STRING",
     "RESNET_VARIANTS",
@@ -278,6 +279,13 @@ LM_VARIANTS = MappingProxyType(
         "autocast": _lm_autocast,
         "fp16-scaled": _lm_fp16_scaled,
         "fp16-bare": _lm_with(lambda c: mpjax.apply_policy(_lm(c), FP16)),
+    }
+)
+
+# The LM with the fused loss (not in `VARIANTS`: the cost model's quick run stays as it was;
+# `multi_gpu_cost.py` and `lce_int8_cost.py` measure them).
+LM_FUSED_LOSS_VARIANTS = MappingProxyType(
+    {
         "bf16-lce": _lm_fused_loss(lambda c: _lm(c, dtype=BF16, head_bias=False, hidden_only=True)),
         "policy-lce": _lm_fused_loss(
             lambda c: mpjax.apply_policy(_lm(c, head_bias=False, hidden_only=True), ONE_STRING)
