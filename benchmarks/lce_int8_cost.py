@@ -62,7 +62,7 @@ def _fused(chunk_size):
     return loss
 
 
-def loss_rows(cfg: dict, chunk_sizes=(1024, 512)) -> list[dict]:
+def loss_rows(cfg: dict, chunk_sizes=(512, 1024)) -> list[dict]:
     mesh = mgc.make_mesh("1x1x8")
     n = mesh.shape[mgc.AXIS]
     b, t, d, v = cfg["batch"], cfg["seq"], cfg["d"], cfg["vocab"]

@@ -3,7 +3,8 @@
 `compiled.cost_analysis()` is unimplemented for an executable compiled without a device, so
 this module reads `compiled.as_text()` (the optimized HLO) instead. Every instruction of the
 entry computation (and of the bodies of `call`, `while` and `conditional` it reaches) that
-launches work on the GPU is one kernel:
+launches work on the GPU is one kernel (in a `while` body with a known trip count, its bytes,
+FLOPs and time count once per iteration):
 
 - fusions, by kind: `loop fusion` (kLoop), `input fusion` (kInput: reductions, transposes),
   `output fusion`, and kCustom fusions named by their backend kind (`triton gemm`,
@@ -302,11 +303,18 @@ def _kernel_time(acc: dict, nbytes: int) -> float:
     return max(compute, nbytes / HBM_BYTES_PER_S)
 
 
-def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str = "") -> None:
-    """Appends a `Kernel` per launch of `comp_name` (and what it calls) to `kernels`.
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _walk(
+    comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str = "", repeat: int = 1
+) -> None:
+    """Appends a `Kernel` per instruction of `comp_name` (and what it calls) to `kernels`.
 
     `prefix` is the op_name of the `call` that reached this computation: lowered HLO names
     the instructions of a called computation relative to the call (optimized HLO inlines).
+    `repeat`: how many times the computation runs (a `while` body: its known trip count);
+    each kernel's bytes, FLOPs and time are multiplied by it.
     """
     comp = comps[comp_name]
     for instr in comp.values():
@@ -314,6 +322,8 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
             continue
         if instr.opcode in _CONTROL:
             inner = _prefixed(prefix, instr.attrs) if instr.opcode == "call" else prefix
+            trips = _TRIP_COUNT.search(instr.attrs) if instr.opcode == "while" else None
+            times = repeat * (int(trips.group(1)) if trips else 1)
             for key in (
                 "to_apply",
                 "body",
@@ -324,10 +334,10 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
             ):
                 target = attr(instr.attrs, key)
                 if target and target.lstrip("%") in comps:
-                    _walk(comps, target.lstrip("%"), kernels, totals, inner)
+                    _walk(comps, target.lstrip("%"), kernels, totals, inner, times)
             branches = re.search(r"branch_computations=\{([^}]*)\}", instr.attrs)
             for branch in re.findall(r"%?([\w.\-]+)", branches.group(1) if branches else ""):
-                _walk(comps, branch, kernels, totals, inner)
+                _walk(comps, branch, kernels, totals, inner, times)
             continue
         acc = _new_acc()
         if instr.opcode == "fusion":
@@ -343,7 +353,11 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
         operand_bytes = sum(
             shapes_bytes(comp[o].shapes) for o in dict.fromkeys(instr.operands) if o in comp
         )
-        nbytes = operand_bytes + shapes_bytes(instr.shapes)
+        nbytes = (operand_bytes + shapes_bytes(instr.shapes)) * repeat
+        if repeat != 1:  # FLOPs of every run; the GEMM counts stay per instruction
+            for key in ("gemm", "conv"):
+                acc[key] = Counter({k: v * repeat for k, v in acc[key].items()})
+            acc["other"] *= repeat
         for key in ("gemm", "conv", "ngemm", "nconv"):
             totals[key].update(acc[key])
         totals["converts"] += acc["converts"]

@@ -143,7 +143,7 @@ def linear_cross_entropy(
     labels: jax.Array,
     *,
     bias: jax.Array | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 512,
     ignore_index: int | None = None,
     z_loss: float = 0.0,
     dtype: Any = None,
