@@ -179,8 +179,10 @@ def test_autocast_keeps_it_chunked_with_bfloat16_gemms():
     assert f"x{V}xf32>" in text and f"128x{V}xf32>" not in text  # chunks of 16 only
 
 
-def test_fsdp_sharded_batch_and_kernel_match_one_device():
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_fsdp_sharded_batch_and_kernel_match_one_device(axis_type):
+    axis_types = (getattr(jax.sharding.AxisType, axis_type),)
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=axis_types)
     x, k, labels = _inputs((8, 12), jnp.bfloat16)
     k = jnp.asarray(np.random.default_rng(3).standard_normal((D, 40)), jnp.bfloat16)
     labels = labels % 40
@@ -190,10 +192,13 @@ def test_fsdp_sharded_batch_and_kernel_match_one_device():
 
     step = jax.jit(jax.value_and_grad(loss, (0, 1)))
     want = step(x, k, labels)
-    xs = jax.device_put(x, NamedSharding(mesh, P("fsdp")))
-    ks = jax.device_put(k, NamedSharding(mesh, P("fsdp")))
-    ls = jax.device_put(labels, NamedSharding(mesh, P("fsdp")))
-    got = step(xs, ks, ls)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("fsdp")))
+        ks = jax.device_put(k, NamedSharding(mesh, P("fsdp")))
+        ls = jax.device_put(labels, NamedSharding(mesh, P("fsdp")))
+        got = step(xs, ks, ls)
+    if axis_type == "Explicit":  # the kernel's gradient comes back split like the kernel
+        assert got[1][1].sharding.is_equivalent_to(ks.sharding, 2)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-6), got, want)
     assert got[1][0].sharding.is_equivalent_to(xs.sharding, 3)
 

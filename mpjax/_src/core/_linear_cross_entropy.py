@@ -82,6 +82,22 @@ def _chunk_logits(xc, kernel, bias):
     return logits + bias[None, :]
 
 
+def _sharded(a: jax.Array) -> bool:
+    """Whether `a`'s type says it is sharded (over Explicit mesh axes)."""
+    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", ())
+    return any(s is not None for s in spec)
+
+
+def _replicated(ndim: int) -> jax.sharding.PartitionSpec:
+    return jax.sharding.PartitionSpec(*([None] * ndim))
+
+
+def _gathered(a: jax.Array) -> jax.Array:
+    """`a` replicated if it is sharded over Explicit axes (FSDP gathers each weight before
+    its use; its gradient is reduce-scattered back). A no-op otherwise."""
+    return jax.sharding.reshard(a, _replicated(a.ndim)) if _sharded(a) else a
+
+
 def _label_logit(logits, labels):
     """`logits[i, labels[i]]` as a masked row sum (a fused reduction, no gather)."""
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
@@ -126,7 +142,14 @@ def _make(z_loss: float):
             db = db + jnp.sum(dlogits, axis=0)
             dlogits = dlogits.astype(x.dtype)
             dx = lax.dot_general(dlogits, kernel, _CONTRACT_VOCAB, preferred_element_type=_F32)
-            dk = dk + lax.dot_general(xc, dlogits, _CONTRACT_TOKENS, preferred_element_type=_F32)
+            dk = dk + lax.dot_general(
+                xc,
+                dlogits,
+                _CONTRACT_TOKENS,
+                preferred_element_type=_F32,
+                # tokens over Explicit axes: each device's sum is all-reduced
+                out_sharding=_replicated(kernel.ndim) if _sharded(xc) else None,
+            )
             return (dk, db), dx.astype(x.dtype)
 
         init = (jnp.zeros(kernel.shape, _F32), jnp.zeros(bias.shape, _F32))
@@ -227,7 +250,8 @@ def linear_cross_entropy(
     vs = valid.reshape(rows, chunks).T
     # Cast outside the custom_vjp: the gradients leave it in the compute dtype (as a GEMM's
     # would), so a sharded kernel's gradient is reduced across devices in that dtype.
-    b32 = jnp.zeros((vocab,), _F32) if bias is None else bias.astype(_F32)
-    total = _make(float(z_loss))(xs.astype(dtype), kernel.astype(dtype), b32, ls, vs)
+    b32 = jnp.zeros((vocab,), _F32) if bias is None else _gathered(bias.astype(_F32))
+    kernel = _gathered(kernel.astype(dtype))
+    total = _make(float(z_loss))(xs.astype(dtype), kernel, b32, ls, vs)
     count = jnp.sum(valid, dtype=jnp.int32)
     return total / jnp.maximum(count, 1).astype(_F32)
