@@ -13,7 +13,10 @@ link": each collective classified by its replica groups (a group holding devices
 hosts rings across them and is limited by the inter-host link; a group within one host runs
 on NVLink) and charged at that link's bandwidth; plus XLA's
 per-device temp and argument memory and the state bytes per parameter. Ratios are against the
-hand-written Flax bf16 + optax.adamw anchor of the same run.
+hand-written Flax bf16 + optax.adamw anchor of the same run. int8 optimizer state
+(`mpjax.scaling.Blockwise8`): the scales are split like their codes, and the blocks
+(`fsdp_block_size`) divide each device's piece of a leaf's last axis, so no block straddles
+two devices. `bf16-lce` / `policy-lce`: the loss is `mpjax.nn.linear_cross_entropy`.
 
 `--model resnet` (or `all`): ResNet-50 data parallel over the same 8 devices: the state
 (params, BatchNorm statistics, SGD momentum) replicated, the batch (128 per device) split on
