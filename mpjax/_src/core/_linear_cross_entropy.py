@@ -197,7 +197,9 @@ def linear_cross_entropy(
         logits in float32; its gradient is accumulated in float32.
       chunk_size: tokens per step of the loop (of the global batch: with `x` sharded over
         `n` devices, each device processes about `chunk_size / n` per step). Each step holds
-        a float32 `[chunk_size, vocab]` block of logits.
+        a float32 `[chunk_size, vocab]` block of logits and reads the whole kernel (and,
+        backward, the float32 `[d, vocab]` gradient accumulator): larger chunks are
+        faster, smaller ones leaner.
       ignore_index: tokens whose label equals it contribute neither loss nor gradient, and
         are not counted in the mean (None: every token counts).
       z_loss: the weight of `mean(logsumexp(logits) ** 2)` added to the loss (0 disables
