@@ -2,18 +2,19 @@
 
 The mixed-precision recipe computes the logits GEMM in the compute dtype and the softmax and
 loss in float32: written directly, that is a float32 `[tokens, vocab]` array (and its
-gradient), the largest temporary of a language model's step. Here the tokens are processed
-`chunk_size` at a time in a `lax.scan`: each chunk's logits GEMM runs in the compute dtype
-with a float32 result, its logsumexp and loss in float32; the backward pass recomputes each
-chunk's logits (a `custom_vjp`), forms the float32 softmax gradient, casts it to the compute
-dtype for the two backward GEMMs, and accumulates the kernel's gradient in float32 (rounded
-to the compute dtype once, at the end). Only one
-chunk's `[chunk, vocab]` logits are live at a time (Liger Kernel's fused linear
-cross-entropy, Levanter's blockwise cross-entropy).
+gradient), the largest temporary of a language model's step. Here the vocabulary is
+processed a tile of columns at a time in a `lax.scan` (Apple's Cut Cross-Entropy): each
+tile's logits GEMM runs in the compute dtype with a float32 result, an online logsumexp
+(running maximum and sum) and the label's logit accumulate in float32 per token; the
+backward pass (a `custom_vjp`) recomputes each tile's logits, forms the float32 softmax
+gradient, casts it to the compute dtype for the two backward GEMMs, accumulates the
+tokens' gradient in float32 and writes each tile's kernel gradient once. Only one tile's
+`[tokens, tile]` logits are live at a time; the kernel and its gradient are read and
+written once per pass, whatever the tile (a loop over chunks of tokens would read the
+whole kernel and a float32 kernel-gradient accumulator once per chunk).
 
-The chunks are strided (chunk `i` holds tokens `i, i + n, i + 2n, ...` of the flattened
-batch, `n` chunks), so a batch sharded over devices stays sharded over the same devices in
-every chunk: each device processes its own tokens, with no collective for the loop.
+The tokens stay in their order and sharding: a batch split over devices is processed by
+each device on its own tokens, with no collective for the loop.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ from jax import lax
 __all__ = ["linear_cross_entropy"]
 
 _F32 = jnp.float32
-_CONTRACT_LAST = (((1,), (0,)), ((), ()))  # [c, d] @ [d, v]
-_CONTRACT_VOCAB = (((1,), (1,)), ((), ()))  # [c, v] @ [d, v]^T
-_CONTRACT_TOKENS = (((0,), (0,)), ((), ()))  # [c, d]^T @ [c, v]
 
 
 def _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype) -> Any:
@@ -76,12 +74,6 @@ def _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype) -> Any:
     return dtype
 
 
-def _chunk_logits(xc, kernel, bias):
-    """One chunk's float32 logits: the GEMM in the operands' (compute) dtype, plus the bias."""
-    logits = lax.dot_general(xc, kernel, _CONTRACT_LAST, preferred_element_type=_F32)
-    return logits + bias[None, :]
-
-
 def _sharded(a: jax.Array) -> bool:
     """Whether `a`'s type says it is sharded (over Explicit mesh axes)."""
     spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", ())
@@ -98,66 +90,80 @@ def _gathered(a: jax.Array) -> jax.Array:
     return jax.sharding.reshard(a, _replicated(a.ndim)) if _sharded(a) else a
 
 
-def _label_logit(logits, labels):
-    """`logits[i, labels[i]]` as a masked row sum (a fused reduction, no gather)."""
-    vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    return jnp.sum(jnp.where(vocab == labels[:, None], logits, 0.0), axis=1)
+_TOKEN_LOGITS = (((1,), (0,)), ((), ()))  # [N, d] @ [d, t]
+_TOKEN_DX = (((1,), (1,)), ((), ()))  # [N, t] @ [d, t]^T
+_TILE_DK = (((0,), (0,)), ((), ()))  # [N, d]^T @ [N, t]
 
 
 def _make(z_loss: float):
-    """The chunked loss as a `custom_vjp` of (x [n, r, d], kernel [d, v], bias [v] float32,
-    labels [n, r], valid [n, r]); x and kernel in the compute dtype."""
+    """The loss as a `custom_vjp` of (x [N, d], kernel tiles [T, d, t], bias tiles [T, t]
+    float32 (-inf past the vocabulary), labels [N], valid [N]), looping over vocabulary
+    tiles with an online logsumexp; x and kernel in the compute dtype."""
 
-    def forward(x, kernel, bias, labels, valid):
-        def body(total, chunk):
-            xc, lc, vc = chunk
-            logits = _chunk_logits(xc, kernel, bias)
-            lse = jax.nn.logsumexp(logits, axis=1)
-            per_token = lse - _label_logit(logits, lc) + z_loss * lse * lse
-            return total + jnp.sum(jnp.where(vc, per_token, 0.0)), lse
+    def tile_logits(x, k, b):
+        return lax.dot_general(x, k, _TOKEN_LOGITS, preferred_element_type=_F32) + b[None, :]
 
-        return lax.scan(body, jnp.zeros((), _F32), (x, labels, valid))
+    def tile_hits(labels, off, width):
+        vocab = lax.broadcasted_iota(jnp.int32, (labels.shape[0], width), 1) + off
+        return vocab == labels[:, None]
+
+    def forward(x, kt, bt, labels, valid):
+        width = kt.shape[2]
+        offsets = jnp.arange(kt.shape[0], dtype=jnp.int32) * width
+
+        def body(carry, tile):
+            m, s, hit = carry
+            k, b, off = tile
+            logits = tile_logits(x, k, b)
+            m2 = jnp.maximum(m, jnp.max(logits, axis=1))
+            s = s * jnp.exp(m - m2) + jnp.sum(jnp.exp(logits - m2[:, None]), axis=1)
+            hit = hit + jnp.sum(jnp.where(tile_hits(labels, off, width), logits, 0.0), axis=1)
+            return (m2, s, hit), None
+
+        zero = jnp.zeros_like(x[:, 0], dtype=_F32)  # per token, sharded like the tokens
+        init = (zero - jnp.inf, zero, zero)
+        (m, s, hit), _ = lax.scan(body, init, (kt, bt, offsets))
+        lse = m + jnp.log(s)
+        per_token = lse - hit + z_loss * lse * lse
+        return jnp.sum(jnp.where(valid, per_token, 0.0)), lse
 
     @jax.custom_vjp
-    def chunked(x, kernel, bias, labels, valid):
-        return forward(x, kernel, bias, labels, valid)[0]
+    def tiled(x, kt, bt, labels, valid):
+        return forward(x, kt, bt, labels, valid)[0]
 
-    def fwd(x, kernel, bias, labels, valid):
-        total, lse = forward(x, kernel, bias, labels, valid)
-        return total, (x, kernel, bias, labels, valid, lse)
+    def fwd(x, kt, bt, labels, valid):
+        total, lse = forward(x, kt, bt, labels, valid)
+        return total, (x, kt, bt, labels, valid, lse)
 
     def bwd(res, g):
-        x, kernel, bias, labels, valid, lse = res
-        g = g.astype(_F32)
+        x, kt, bt, labels, valid, lse = res
+        width = kt.shape[2]
+        offsets = jnp.arange(kt.shape[0], dtype=jnp.int32) * width
+        coef = jnp.where(valid, g.astype(_F32), 0.0)[:, None]
+        grow = coef * (1.0 + 2.0 * z_loss * lse)[:, None]
 
-        def body(acc, chunk):
-            dk, db = acc
-            xc, lc, vc, lse_c = chunk
-            logits = _chunk_logits(xc, kernel, bias)
-            p = jnp.exp(logits - lse_c[:, None])
-            vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-            coef = jnp.where(vc, g, 0.0)[:, None]
-            dlogits = coef * ((1.0 + 2.0 * z_loss * lse_c)[:, None] * p)
-            dlogits = dlogits - jnp.where(vocab == lc[:, None], coef, 0.0)
-            db = db + jnp.sum(dlogits, axis=0)
+        def body(dx, tile):
+            k, b, off = tile
+            p = jnp.exp(tile_logits(x, k, b) - lse[:, None])
+            dlogits = grow * p - jnp.where(tile_hits(labels, off, width), coef, 0.0)
+            db = jnp.sum(dlogits, axis=0)
             dlogits = dlogits.astype(x.dtype)
-            dx = lax.dot_general(dlogits, kernel, _CONTRACT_VOCAB, preferred_element_type=_F32)
-            dk = dk + lax.dot_general(
-                xc,
+            dx = dx + lax.dot_general(dlogits, k, _TOKEN_DX, preferred_element_type=_F32)
+            dk = lax.dot_general(
+                x,
                 dlogits,
-                _CONTRACT_TOKENS,
+                _TILE_DK,
                 preferred_element_type=_F32,
                 # tokens over Explicit axes: each device's sum is all-reduced
-                out_sharding=_replicated(kernel.ndim) if _sharded(xc) else None,
+                out_sharding=_replicated(2) if _sharded(x) else None,
             )
-            return (dk, db), dx.astype(x.dtype)
+            return dx, (dk.astype(kt.dtype), db)
 
-        init = (jnp.zeros(kernel.shape, _F32), jnp.zeros(bias.shape, _F32))
-        (dk, db), dx = lax.scan(body, init, (x, labels, valid, lse))
-        return dx, dk.astype(kernel.dtype), db, None, None
+        dx, (dk, db) = lax.scan(body, jnp.zeros_like(x, dtype=_F32), (kt, bt, offsets))
+        return dx.astype(x.dtype), dk, db, None, None
 
-    chunked.defvjp(fwd, bwd)
-    return chunked
+    tiled.defvjp(fwd, bwd)
+    return tiled
 
 
 def linear_cross_entropy(
@@ -177,9 +183,9 @@ def linear_cross_entropy(
     (x @ kernel).astype(float32), labels)` averaged over the non-ignored tokens (plus
     `z_loss * mean(logsumexp(logits) ** 2)`, PaLM's auxiliary loss; logits plus `bias`
     when given), value and gradients,
-    but processes `chunk_size` tokens at a time: the logits GEMM runs in the compute dtype
+    but processes the vocabulary a tile at a time: the logits GEMM runs in the compute dtype
     with a float32 result, the log-softmax and loss in float32, and the backward pass
-    recomputes each chunk's logits, so no `[tokens, vocab]` array is ever held. The
+    recomputes each tile's logits, so no `[tokens, vocab]` array is ever held. The
     gradients of `x` and `kernel` are accumulated in float32 and rounded to the compute
     dtype (as the GEMMs of the unfused loss give them), then cast to their own dtypes.
 
@@ -195,11 +201,11 @@ def linear_cross_entropy(
         `[0, vocab)` (or `ignore_index`).
       bias: None, or the head's `[vocab]` bias (a Flax `Dense` head's), added to the
         logits in float32; its gradient is accumulated in float32.
-      chunk_size: tokens per step of the loop (of the global batch: with `x` sharded over
-        `n` devices, each device processes about `chunk_size / n` per step). Each step holds
-        a float32 `[chunk_size, vocab]` block of logits and reads the whole kernel (and,
-        backward, the float32 `[d, vocab]` gradient accumulator): larger chunks are
-        faster, smaller ones leaner.
+      chunk_size: the size of each step's float32 logits, in tokens of the whole
+        vocabulary: the loop takes vocabulary tiles of `ceil(chunk_size * vocab / tokens)`
+        columns, so each step holds `[tokens, tile]` logits, about `chunk_size * vocab`
+        elements (of the global batch: with `x` sharded over `n` devices, each holds
+        1/n of them). Smaller is leaner, at more steps over the tokens.
       ignore_index: tokens whose label equals it contribute neither loss nor gradient, and
         are not counted in the mean (None: every token counts).
       z_loss: the weight of `mean(logsumexp(logits) ** 2)` added to the loss (0 disables
@@ -234,26 +240,22 @@ def linear_cross_entropy(
         )
     d = x.shape[-1]
     tokens = int(np.prod(x.shape[:-1], dtype=np.int64))
-    chunks = max(1, -(-tokens // chunk_size))
-    rows = -(-tokens // chunks) if tokens else 1  # <= chunk_size
-    pad = chunks * rows - tokens
-    flat_x = x.reshape(tokens, d)
+    flat_x = x.reshape(tokens, d).astype(dtype)
     flat_labels = labels.reshape(tokens).astype(jnp.int32)
     valid = jnp.ones((tokens,), bool)
     if ignore_index is not None:
         valid = labels.reshape(tokens) != ignore_index
-    if pad:
-        flat_x = jnp.pad(flat_x, ((0, pad), (0, 0)))
-        flat_labels = jnp.pad(flat_labels, (0, pad))
-        valid = jnp.pad(valid, (0, pad))
-    # [rows, chunks] -> [chunks, rows]: chunk i holds tokens i, i + chunks, ... (strided)
-    xs = jnp.swapaxes(flat_x.reshape(rows, chunks, d), 0, 1)
-    ls = flat_labels.reshape(rows, chunks).T
-    vs = valid.reshape(rows, chunks).T
+    # vocabulary tiles of `width` columns: [tokens, width] logits per step, as many
+    # elements as `chunk_size` tokens of the whole vocabulary
+    width = min(vocab, max(1, -(-chunk_size * vocab // max(tokens, 1))))
+    tiles = -(-vocab // width)
+    pad = tiles * width - vocab
     # Cast outside the custom_vjp: the gradients leave it in the compute dtype (as a GEMM's
     # would), so a sharded kernel's gradient is reduced across devices in that dtype.
+    k = _gathered(kernel.astype(dtype))
     b32 = jnp.zeros((vocab,), _F32) if bias is None else _gathered(bias.astype(_F32))
-    kernel = _gathered(kernel.astype(dtype))
-    total = _make(float(z_loss))(xs.astype(dtype), kernel, b32, ls, vs)
+    k = jnp.pad(k, ((0, 0), (0, pad))).reshape(d, tiles, width).transpose(1, 0, 2)
+    b32 = jnp.pad(b32, (0, pad), constant_values=-jnp.inf).reshape(tiles, width)
+    total = _make(float(z_loss))(flat_x, k, b32, flat_labels, valid)
     count = jnp.sum(valid, dtype=jnp.int32)
     return total / jnp.maximum(count, 1).astype(_F32)
