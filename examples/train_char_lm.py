@@ -14,7 +14,7 @@ Run from the repository root:
     python examples/train_char_lm.py --precisions bf16 --optimizer-state bf16  # bf16 AdamW state
 
 The loss is `mpjax.nn.linear_cross_entropy` (the head GEMM in the compute dtype, the float32
-softmax a chunk of tokens at a time, never the float32 logits); `--no-fused-loss` computes
+softmax a vocabulary tile at a time, never the float32 logits); `--no-fused-loss` computes
 the head's logits and optax's cross-entropy instead.
 
 `--param-dtype bf16` stores the params in bfloat16 (`loss_scaled` then keeps their float32
@@ -115,7 +115,7 @@ class CharLMConfig:
         remainder per `master_weights`).
       fused_loss: compute the loss with `mpjax.nn.linear_cross_entropy` from the final
         hidden states and the head's kernel and bias (the head GEMM in the compute dtype,
-        the float32 softmax a chunk of tokens at a time, never the whole float32 logits);
+        the float32 softmax a vocabulary tile at a time, never the whole float32 logits);
         False: the head's logits, then optax's cross-entropy.
     """
 
