@@ -303,6 +303,36 @@ def _kernel_time(acc: dict, nbytes: int) -> float:
     return max(compute, nbytes / HBM_BYTES_PER_S)
 
 
+def _operand_bytes(comps: dict, comp: dict, instr) -> int:
+    """Bytes an instruction reads: its distinct operands, except that a fusion operand read
+    only through `slice`/`dynamic-slice` inside the fusion counts as the slices it reads
+    (a loop body slicing one step out of a stacked array reads that step)."""
+    fused = comps.get((attr(instr.attrs, "calls") or "").lstrip("%"), {})
+    params = {
+        i.operands[0]: i.name
+        for i in fused.values()
+        if instr.opcode == "fusion" and i.opcode == "parameter" and i.operands
+    }
+    users: dict = {}
+    for i in fused.values():
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    total, seen = 0, set()
+    for k, o in enumerate(instr.operands):
+        if o in seen or o not in comp:
+            continue
+        seen.add(o)
+        full = shapes_bytes(comp[o].shapes)
+        readers = users.get(params.get(str(k)), [])
+        if readers and all(
+            u.opcode in ("slice", "dynamic-slice") and u.operands[0] == params[str(k)]
+            for u in readers
+        ):
+            full = min(full, sum(shapes_bytes(u.shapes) for u in readers))
+        total += full
+    return total
+
+
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -350,9 +380,7 @@ def _walk(
                 acc["other"] += math.prod(instr.shapes[0][1])
             if instr.opcode not in _DATA_MOVEMENT:
                 acc["compute"] += 1
-        operand_bytes = sum(
-            shapes_bytes(comp[o].shapes) for o in dict.fromkeys(instr.operands) if o in comp
-        )
+        operand_bytes = _operand_bytes(comps, comp, instr)
         nbytes = (operand_bytes + shapes_bytes(instr.shapes)) * repeat
         if repeat != 1:  # FLOPs of every run; the GEMM counts stay per instruction
             for key in ("gemm", "conv"):

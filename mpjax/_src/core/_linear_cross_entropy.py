@@ -172,7 +172,7 @@ def linear_cross_entropy(
     labels: jax.Array,
     *,
     bias: jax.Array | None = None,
-    chunk_size: int = 512,
+    chunk_size: int = 1024,
     ignore_index: int | None = None,
     z_loss: float = 0.0,
     dtype: Any = None,
