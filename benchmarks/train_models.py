@@ -213,6 +213,8 @@ class LM(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     dot_general_cls: Any = None  # passed to every block's GEMMs (not the head)
+    head_bias: bool = True
+    hidden_only: bool = False  # return the final LayerNorm's output (the head is the loss's)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, padding: jax.Array) -> jax.Array:
@@ -230,4 +232,6 @@ class LM(nn.Module):
                 x, mask
             )
         x = nn.LayerNorm(**kw)(x)
-        return nn.Dense(self.vocab, name="head", **kw)(x)
+        if self.hidden_only:
+            return x
+        return nn.Dense(self.vocab, name="head", use_bias=self.head_bias, **kw)(x)

@@ -19,6 +19,9 @@ The variants (mpjax's own paths against the hand-written anchor):
 - `fp16-scaled`: `apply_policy(model, FP16)` + `loss_scaled(tx)` (dynamic) + `scale_loss`;
 - `fp16-bare`: the same without loss scaling (the bare step the loss-scaled one is paid
   against; not a usable training recipe);
+- `LM_FUSED_LOSS_VARIANTS` (LM): `bf16-lce` / `policy-lce`: `bf16` / `policy`, the loss computed by
+  `mpjax.nn.linear_cross_entropy` from the final hidden states and the head's kernel (a
+  head without bias, as GPT-2's), never holding the float32 logits;
 - ResNet only: `convbn` / `convbn-xla`: the net on `mpjax.nn.ConvBN` under `ONE_STRING`
   (impl "auto", which is the Pallas kernels on CUDA, and impl "xla"); `convbn-rules` /
   `convbn-rules-xla`: the same under `RULES` (a clean bf16 net: bf16 between the layers).
@@ -36,9 +39,11 @@ import optax
 
 import mpjax
 from benchmarks.train_models import LM, VOCAB, ConvBNResNet, ResNet
+from mpjax.nn import linear_cross_entropy
 
 __all__ = [
     "FP16",
+    "LM_FUSED_LOSS_VARIANTS",
     "LM_VARIANTS",
     "ONE_STRING",
     "RESNET_VARIANTS",
@@ -102,6 +107,8 @@ def resnet_program(
       init_model: the float32 module whose `init` gives the variables.
       tx: the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
       scaled: scale the loss with `mpjax.scale_loss` (tx must be `loss_scaled`).
+      fused_loss: `apply` returns the final hidden states; the loss is
+        `mpjax.nn.linear_cross_entropy` of them and `params["head"]["kernel"]` in bfloat16.
     """
     tx = tx or optax.sgd(0.1, momentum=0.9)
     shape = (cfg["batch"], cfg["image"], cfg["image"], 3)
@@ -131,7 +138,9 @@ def resnet_program(
     return TrainProgram(init, batch, step, cfg["batch"])
 
 
-def lm_program(cfg: dict, apply: Callable, init_model, *, tx=None, scaled=False) -> TrainProgram:
+def lm_program(
+    cfg: dict, apply: Callable, init_model, *, tx=None, scaled=False, fused_loss=False
+) -> TrainProgram:
     """The LM train step (AdamW, next-token cross-entropy with a padding mask).
 
     Args:
@@ -140,6 +149,8 @@ def lm_program(cfg: dict, apply: Callable, init_model, *, tx=None, scaled=False)
       init_model: the float32 module whose `init` gives the params.
       tx: the optimizer (default AdamW, lr 3e-4, b2 0.95, weight decay 0.1).
       scaled: scale the loss with `mpjax.scale_loss` (tx must be `loss_scaled`).
+      fused_loss: `apply` returns the final hidden states; the loss is
+        `mpjax.nn.linear_cross_entropy` of them and `params["head"]["kernel"]` in bfloat16.
     """
     tx = tx or optax.adamw(3e-4, b2=0.95, weight_decay=0.1)
     shape = (cfg["batch"], cfg["seq"])
@@ -160,6 +171,12 @@ def lm_program(cfg: dict, apply: Callable, init_model, *, tx=None, scaled=False)
         tokens, padding = batch
 
         def loss_fn(p):
+            if fused_loss:
+                hidden = apply({"params": p}, tokens[:, :-1], padding)
+                labels = jnp.where(padding, tokens[:, 1:], -1)
+                kernel = p["head"]["kernel"]
+                ce = linear_cross_entropy(hidden, kernel, labels, ignore_index=-1, dtype=BF16)
+                return ce, None
             logits = apply({"params": p}, tokens[:, :-1], padding).astype(jnp.float32)
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
             return jnp.sum(ce * padding) / jnp.maximum(jnp.sum(padding), 1), None
@@ -240,6 +257,16 @@ def _lm_with(module_fn, *, tx=None, scaled=False):
     return build
 
 
+def _lm_fused_loss(module_fn):
+    """`module_fn(cfg)`'s LM returns its hidden states; the loss is the fused one."""
+
+    def build(cfg):
+        init = _lm(cfg, head_bias=False)
+        return lm_program(cfg, module_fn(cfg).apply, init, fused_loss=True)
+
+    return build
+
+
 def _lm_autocast(cfg):
     model = _lm(cfg)
     return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING), model)
@@ -259,6 +286,17 @@ LM_VARIANTS = MappingProxyType(
         "autocast": _lm_autocast,
         "fp16-scaled": _lm_fp16_scaled,
         "fp16-bare": _lm_with(lambda c: mpjax.apply_policy(_lm(c), FP16)),
+    }
+)
+
+# The LM with the fused loss (not in `VARIANTS`: the cost model's quick run stays as it was;
+# `multi_gpu_cost.py` and `lce_int8_cost.py` measure them).
+LM_FUSED_LOSS_VARIANTS = MappingProxyType(
+    {
+        "bf16-lce": _lm_fused_loss(lambda c: _lm(c, dtype=BF16, head_bias=False, hidden_only=True)),
+        "policy-lce": _lm_fused_loss(
+            lambda c: mpjax.apply_policy(_lm(c, head_bias=False, hidden_only=True), ONE_STRING)
+        ),
     }
 )
 

@@ -13,6 +13,10 @@ Run from the repository root:
     python examples/train_char_lm.py                # fp32, bf16, fp16; table + results/char_lm.png
     python examples/train_char_lm.py --precisions bf16 --optimizer-state bf16  # bf16 AdamW state
 
+The loss is `mpjax.nn.linear_cross_entropy` (the head GEMM in the compute dtype, the float32
+softmax a vocabulary tile at a time, never the float32 logits); `--no-fused-loss` computes
+the head's logits and optax's cross-entropy instead.
+
 `--param-dtype bf16` stores the params in bfloat16 (`loss_scaled` then keeps their float32
 master; `--master-weights remainder` keeps it as an int16 remainder: with bf16 state, 8
 bytes per param of training state).
@@ -55,6 +59,7 @@ from examples.common import (
     timed,
     train_loop,
 )
+from mpjax.nn import linear_cross_entropy
 
 __all__ = [
     "CharLMConfig",
@@ -118,6 +123,10 @@ class CharLMConfig:
       param_dtype: how the params are stored: "f32", or "bf16" (initialised in float32,
         then rounded to bfloat16; `loss_scaled` keeps their float32 master, whole or as a
         remainder per `master_weights`).
+      fused_loss: compute the loss with `mpjax.nn.linear_cross_entropy` from the final
+        hidden states and the head's kernel and bias (the head GEMM in the compute dtype,
+        the float32 softmax a vocabulary tile at a time, never the whole float32 logits);
+        False: the head's logits, then optax's cross-entropy.
     """
 
     precision: str = "fp16"
@@ -135,6 +144,7 @@ class CharLMConfig:
     optimizer_state: str = "f32"
     master_weights: str = "auto"
     param_dtype: str = "f32"
+    fused_loss: bool = True
 
     def __post_init__(self):
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -238,6 +248,7 @@ class CharTransformer(nn.Module):
     num_layers: int = 2
     num_heads: int = 4
     max_len: int = 64
+    hidden_only: bool = False  # return the final LayerNorm's output (the loss owns the head)
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -249,7 +260,8 @@ class CharTransformer(nn.Module):
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.num_layers):
             x = DecoderBlock(self.num_heads)(x, mask)
-        return nn.Dense(self.vocab_size)(nn.LayerNorm()(x))
+        x = nn.LayerNorm()(x)
+        return x if self.hidden_only else nn.Dense(self.vocab_size)(x)
 
 
 def apply_precision(
@@ -293,7 +305,9 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
     )
     fp8 = FP8_RECIPES.get(config.precision)
     base = "bf16" if fp8 else config.precision
-    apply = apply_precision(model, policy_for(base), fp8)
+    policy = policy_for(base)
+    body = model.clone(hidden_only=True) if config.fused_loss else model
+    apply = apply_precision(body, policy, fp8)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, max(1, config.steps // 10), config.steps
     )
@@ -310,6 +324,12 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
     )
 
     def loss(params, tokens):
+        if config.fused_loss:  # the head (`Dense_0`) is applied by the loss
+            hidden = apply({"params": params}, tokens[:, :-1])
+            head = params["Dense_0"]
+            return linear_cross_entropy(
+                hidden, head["kernel"], tokens[:, 1:], bias=head["bias"], dtype=policy.compute_dtype
+            )
         logits = apply({"params": params}, tokens[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
         return ce.mean()
@@ -476,6 +496,13 @@ def _parser() -> argparse.ArgumentParser:
         help="loss_scaled's master weights (remainder: bf16-stored params only)",
     )
     p.add_argument(
+        "--no-fused-loss",
+        dest="fused_loss",
+        action="store_false",
+        help="compute the head's float32 logits and optax's cross-entropy (default: "
+        "mpjax.nn.linear_cross_entropy, without the float32 logits)",
+    )
+    p.add_argument(
         "--param-dtype",
         choices=tuple(PARAM_DTYPES),
         default=d.param_dtype,
@@ -498,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         optimizer_state=args.optimizer_state,
         master_weights=args.master_weights,
         param_dtype=args.param_dtype,
+        fused_loss=args.fused_loss,
         **run_kwargs(args),
     )
     print()

@@ -94,3 +94,23 @@ def test_compute_bound_kernel_uses_the_dtype_peak():
 def test_no_entry_is_an_error():
     with pytest.raises(ValueError, match="ENTRY"):
         hlo_cost.analyze("HloModule m")
+
+
+def test_while_body_counts_once_per_iteration():
+    """A scan's body runs its known trip count times: its FLOPs and bytes count that often."""
+    import jax
+    import jax.numpy as jnp
+
+    def scanned(x, length):
+        body = lambda c, _: (jnp.tanh(c @ x), None)  # noqa: E731
+        return jax.lax.scan(body, x, None, length=length)[0]
+
+    x = jnp.ones((64, 64))
+    reports = [
+        hlo_cost.analyze(jax.jit(scanned, static_argnums=1).lower(x, n).compile().as_text())
+        for n in (2, 8)
+    ]
+    assert reports[1].gemm_flops == {"f32": 8 * 2 * 64**3}
+    assert reports[0].gemm_flops == {"f32": 2 * 2 * 64**3}
+    assert len(reports[0].kernels) == len(reports[1].kernels)  # the same instructions
+    assert reports[1].bytes > 3 * reports[0].bytes

@@ -3,7 +3,8 @@
 `compiled.cost_analysis()` is unimplemented for an executable compiled without a device, so
 this module reads `compiled.as_text()` (the optimized HLO) instead. Every instruction of the
 entry computation (and of the bodies of `call`, `while` and `conditional` it reaches) that
-launches work on the GPU is one kernel:
+launches work on the GPU is one kernel (in a `while` body with a known trip count, its bytes,
+FLOPs and time count once per iteration):
 
 - fusions, by kind: `loop fusion` (kLoop), `input fusion` (kInput: reductions, transposes),
   `output fusion`, and kCustom fusions named by their backend kind (`triton gemm`,
@@ -319,11 +320,48 @@ def _kernel_name(comp: dict, instr: Instr, acc: dict, prefix: str) -> str:
     return max(acc["converts_by_op"], key=acc["converts_by_op"].get)
 
 
-def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str = "") -> None:
-    """Appends a `Kernel` per launch of `comp_name` (and what it calls) to `kernels`.
+def _operand_bytes(comps: dict, comp: dict, instr) -> int:
+    """Bytes an instruction reads: its distinct operands, except that a fusion operand read
+    only through `slice`/`dynamic-slice` inside the fusion counts as the slices it reads
+    (a loop body slicing one step out of a stacked array reads that step)."""
+    fused = comps.get((attr(instr.attrs, "calls") or "").lstrip("%"), {})
+    params = {
+        i.operands[0]: i.name
+        for i in fused.values()
+        if instr.opcode == "fusion" and i.opcode == "parameter" and i.operands
+    }
+    users: dict = {}
+    for i in fused.values():
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    total, seen = 0, set()
+    for k, o in enumerate(instr.operands):
+        if o in seen or o not in comp:
+            continue
+        seen.add(o)
+        full = shapes_bytes(comp[o].shapes)
+        readers = users.get(params.get(str(k)), [])
+        if readers and all(
+            u.opcode in ("slice", "dynamic-slice") and u.operands[0] == params[str(k)]
+            for u in readers
+        ):
+            full = min(full, sum(shapes_bytes(u.shapes) for u in readers))
+        total += full
+    return total
+
+
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _walk(
+    comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str = "", repeat: int = 1
+) -> None:
+    """Appends a `Kernel` per instruction of `comp_name` (and what it calls) to `kernels`.
 
     `prefix` is the op_name of the `call` that reached this computation: lowered HLO names
     the instructions of a called computation relative to the call (optimized HLO inlines).
+    `repeat`: how many times the computation runs (a `while` body: its known trip count);
+    each kernel's bytes, FLOPs and time are multiplied by it.
     """
     comp = comps[comp_name]
     for instr in comp.values():
@@ -331,6 +369,8 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
             continue
         if instr.opcode in _CONTROL:
             inner = _prefixed(prefix, instr.attrs) if instr.opcode == "call" else prefix
+            trips = _TRIP_COUNT.search(instr.attrs) if instr.opcode == "while" else None
+            times = repeat * (int(trips.group(1)) if trips else 1)
             for key in (
                 "to_apply",
                 "body",
@@ -341,10 +381,10 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
             ):
                 target = attr(instr.attrs, key)
                 if target and target.lstrip("%") in comps:
-                    _walk(comps, target.lstrip("%"), kernels, totals, inner)
+                    _walk(comps, target.lstrip("%"), kernels, totals, inner, times)
             branches = re.search(r"branch_computations=\{([^}]*)\}", instr.attrs)
             for branch in re.findall(r"%?([\w.\-]+)", branches.group(1) if branches else ""):
-                _walk(comps, branch, kernels, totals, inner)
+                _walk(comps, branch, kernels, totals, inner, times)
             continue
         acc = _new_acc()
         if instr.opcode == "fusion":
@@ -359,10 +399,12 @@ def _walk(comps: dict, comp_name: str, kernels: list, totals: dict, prefix: str 
                 acc["other"] += math.prod(instr.shapes[0][1])
             if instr.opcode not in _DATA_MOVEMENT:
                 acc["compute"] += 1
-        operand_bytes = sum(
-            shapes_bytes(comp[o].shapes) for o in dict.fromkeys(instr.operands) if o in comp
-        )
-        nbytes = operand_bytes + shapes_bytes(instr.shapes)
+        operand_bytes = _operand_bytes(comps, comp, instr)
+        nbytes = (operand_bytes + shapes_bytes(instr.shapes)) * repeat
+        if repeat != 1:  # FLOPs of every run; the GEMM counts stay per instruction
+            for key in ("gemm", "conv"):
+                acc[key] = Counter({k: v * repeat for k, v in acc[key].items()})
+            acc["other"] *= repeat
         for key in ("gemm", "conv", "ngemm", "nconv"):
             totals[key].update(acc[key])
         totals["converts"] += acc["converts"]

@@ -10,6 +10,7 @@ each floating leaf is stored as blockwise-scaled 8-bit codes (`blockwise8.py`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -127,7 +128,7 @@ def low_precision_state(
     rounding: str | None = None,
     seed: int = 0,
     *,
-    block_size: int = 256,
+    block_size: int | Callable[[tuple[int, ...]], int] = 256,
 ) -> optax.GradientTransformationExtraArgs:
     """Stores `inner`'s floating state in `dtype`; each update runs in float32 and rounds back.
 
@@ -139,9 +140,14 @@ def low_precision_state(
     bit-identical.
 
     With `dtype=jnp.int8` each such leaf becomes a `Blockwise8`: int8 codes shaped like the
-    leaf and one float32 scale per `block_size` elements (the block's absolute maximum),
-    the codes indexing a codebook of magnitudes from 1e-6 to 1 of the scale, dense near
-    the top (8-bit Adam: 1 + 4 / block_size bytes per moment element instead of 2 or 4).
+    leaf and one float32 scale per block of its last axis (the block's absolute maximum),
+    the codes a decade code of magnitudes from 1e-6 to 1 of the scale, dense near the top,
+    computed arithmetically (8-bit Adam: 1 + 4 / block bytes per moment element instead
+    of 2 or 4). The scales are shaped like the leaf with its last axis counting blocks:
+    shard them like the leaf's codes. A leaf split over devices along another axis keeps
+    whole blocks on each device; split along its last axis into `n` pieces, it does when
+    each piece holds whole blocks (`block_size` a divisor of `shape[-1] // n`; a callable
+    can choose per leaf).
 
     Args:
       inner: the optax transformation whose state to store narrow.
@@ -155,7 +161,10 @@ def low_precision_state(
         codes a decade apart, stochastic rounding of Adam's second moment is unbiased but
         1 / sqrt of it is not: measured, it converges worse than nearest.)
       seed: an int in [0, 2**32) seeding the stochastic rounding.
-      block_size: elements per float32 scale with `dtype=jnp.int8`.
+      block_size: with `dtype=jnp.int8`, the elements per float32 scale along each leaf's
+        last axis: an int (blocks of `min(block_size, shape[-1])`, each row's last block
+        zero-padded), or a callable `shape -> int` giving each leaf's block length (e.g.
+        a divisor of the extent each device holds under FSDP).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`.
@@ -171,8 +180,13 @@ def low_precision_state(
     """
     dtype = _storage_dtype(dtype)
     rounding = _check_rounding(rounding, dtype)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"low_precision_state: block_size must be an int >= 1, got {block_size!r}")
+    if not callable(block_size) and (
+        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+    ):
+        raise ValueError(
+            f"low_precision_state: block_size must be an int >= 1 or a callable "
+            f"shape -> int, got {block_size!r}"
+        )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"low_precision_state: seed must be an int, got {type(seed).__name__}")
     if not 0 <= int(seed) < 2**32:

@@ -1,0 +1,261 @@
+"""`linear_cross_entropy`: a float32 cross-entropy loss that never holds the float32 logits.
+
+The mixed-precision recipe computes the logits GEMM in the compute dtype and the softmax and
+loss in float32: written directly, that is a float32 `[tokens, vocab]` array (and its
+gradient), the largest temporary of a language model's step. Here the vocabulary is
+processed a tile of columns at a time in a `lax.scan` (Apple's Cut Cross-Entropy): each
+tile's logits GEMM runs in the compute dtype with a float32 result, an online logsumexp
+(running maximum and sum) and the label's logit accumulate in float32 per token; the
+backward pass (a `custom_vjp`) recomputes each tile's logits, forms the float32 softmax
+gradient, casts it to the compute dtype for the two backward GEMMs, accumulates the
+tokens' gradient in float32 and writes each tile's kernel gradient once. Only one tile's
+`[tokens, tile]` logits are live at a time; the kernel and its gradient are read and
+written once per pass, whatever the tile (a loop over chunks of tokens would read the
+whole kernel and a float32 kernel-gradient accumulator once per chunk).
+
+The tokens stay in their order and sharding: a batch split over devices is processed by
+each device on its own tokens, with no collective for the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["linear_cross_entropy"]
+
+_F32 = jnp.float32
+
+
+def _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype) -> Any:
+    name = "linear_cross_entropy"
+    for arg, v in (("x", x), ("kernel", kernel)):
+        if not hasattr(v, "dtype") or not jnp.issubdtype(v.dtype, jnp.floating):
+            got = getattr(v, "dtype", type(v).__name__)
+            raise TypeError(f"{name}: {arg} must be a floating array, got {got}")
+    if kernel.ndim != 2:
+        raise ValueError(
+            f"{name}: kernel must be [d, vocab], got shape {kernel.shape} (for a tied "
+            "embedding table [vocab, d], pass its transpose `embedding.T`)"
+        )
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(
+            f"{name}: x must be [..., d] with d == kernel.shape[0] == {kernel.shape[0]}, "
+            f"got x.shape={x.shape}"
+        )
+    if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
+        got = getattr(labels, "dtype", type(labels).__name__)
+        raise TypeError(f"{name}: labels must be an integer array, got {got}")
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(
+            f"{name}: labels must have x's leading shape {x.shape[:-1]}, got {labels.shape}"
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer):
+        raise TypeError(f"{name}: chunk_size must be an int, got {chunk_size!r}")
+    if chunk_size < 1:
+        raise ValueError(f"{name}: chunk_size must be >= 1, got {chunk_size}")
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int | np.integer)
+    ):
+        raise TypeError(f"{name}: ignore_index must be an int or None, got {ignore_index!r}")
+    if isinstance(z_loss, bool) or not isinstance(z_loss, int | float | np.floating):
+        raise TypeError(f"{name}: z_loss must be a Python float, got {z_loss!r}")
+    if not np.isfinite(z_loss) or z_loss < 0:
+        raise ValueError(f"{name}: z_loss must be a finite float >= 0, got {z_loss}")
+    if dtype is None:
+        return jnp.result_type(x.dtype, kernel.dtype)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name}: dtype must be a floating dtype or None, got {dtype}")
+    return dtype
+
+
+def _sharded(a: jax.Array) -> bool:
+    """Whether `a`'s type says it is sharded (over Explicit mesh axes)."""
+    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", ())
+    return any(s is not None for s in spec)
+
+
+def _replicated(ndim: int) -> jax.sharding.PartitionSpec:
+    return jax.sharding.PartitionSpec(*([None] * ndim))
+
+
+def _gathered(a: jax.Array) -> jax.Array:
+    """`a` replicated if it is sharded over Explicit axes (FSDP gathers each weight before
+    its use; its gradient is reduce-scattered back). A no-op otherwise."""
+    return jax.sharding.reshard(a, _replicated(a.ndim)) if _sharded(a) else a
+
+
+_TOKEN_LOGITS = (((1,), (0,)), ((), ()))  # [N, d] @ [d, t]
+_TOKEN_DX = (((1,), (1,)), ((), ()))  # [N, t] @ [d, t]^T
+_TILE_DK = (((0,), (0,)), ((), ()))  # [N, d]^T @ [N, t]
+
+
+def _make(z_loss: float):
+    """The loss as a `custom_vjp` of (x [N, d], kernel tiles [T, d, t], bias tiles [T, t]
+    float32 (-inf past the vocabulary), labels [N], valid [N]), looping over vocabulary
+    tiles with an online logsumexp; x and kernel in the compute dtype."""
+
+    def tile_logits(x, k, b):
+        return lax.dot_general(x, k, _TOKEN_LOGITS, preferred_element_type=_F32) + b[None, :]
+
+    def tile_hits(labels, off, width):
+        vocab = lax.broadcasted_iota(jnp.int32, (labels.shape[0], width), 1) + off
+        return vocab == labels[:, None]
+
+    def forward(x, kt, bt, labels, valid):
+        width = kt.shape[2]
+        offsets = jnp.arange(kt.shape[0], dtype=jnp.int32) * width
+
+        def body(carry, tile):
+            m, s, hit = carry
+            k, b, off = tile
+            logits = tile_logits(x, k, b)
+            m2 = jnp.maximum(m, jnp.max(logits, axis=1))
+            s = s * jnp.exp(m - m2) + jnp.sum(jnp.exp(logits - m2[:, None]), axis=1)
+            hit = hit + jnp.sum(jnp.where(tile_hits(labels, off, width), logits, 0.0), axis=1)
+            return (m2, s, hit), None
+
+        zero = jnp.zeros_like(x[:, 0], dtype=_F32)  # per token, sharded like the tokens
+        init = (zero - jnp.inf, zero, zero)
+        (m, s, hit), _ = lax.scan(body, init, (kt, bt, offsets))
+        lse = m + jnp.log(s)
+        per_token = lse - hit + z_loss * lse * lse
+        return jnp.sum(jnp.where(valid, per_token, 0.0)), lse
+
+    @jax.custom_vjp
+    def tiled(x, kt, bt, labels, valid):
+        return forward(x, kt, bt, labels, valid)[0]
+
+    def fwd(x, kt, bt, labels, valid):
+        total, lse = forward(x, kt, bt, labels, valid)
+        return total, (x, kt, bt, labels, valid, lse)
+
+    def bwd(res, g):
+        x, kt, bt, labels, valid, lse = res
+        width = kt.shape[2]
+        offsets = jnp.arange(kt.shape[0], dtype=jnp.int32) * width
+        coef = jnp.where(valid, g.astype(_F32), 0.0)[:, None]
+        grow = coef * (1.0 + 2.0 * z_loss * lse)[:, None]
+
+        def body(dx, tile):
+            k, b, off = tile
+            p = jnp.exp(tile_logits(x, k, b) - lse[:, None])
+            dlogits = grow * p - jnp.where(tile_hits(labels, off, width), coef, 0.0)
+            db = jnp.sum(dlogits, axis=0)
+            dlogits = dlogits.astype(x.dtype)
+            dx = dx + lax.dot_general(dlogits, k, _TOKEN_DX, preferred_element_type=_F32)
+            dk = lax.dot_general(
+                x,
+                dlogits,
+                _TILE_DK,
+                preferred_element_type=_F32,
+                # tokens over Explicit axes: each device's sum is all-reduced
+                out_sharding=_replicated(2) if _sharded(x) else None,
+            )
+            return dx, (dk.astype(kt.dtype), db)
+
+        dx, (dk, db) = lax.scan(body, jnp.zeros_like(x, dtype=_F32), (kt, bt, offsets))
+        return dx.astype(x.dtype), dk, db, None, None
+
+    tiled.defvjp(fwd, bwd)
+    return tiled
+
+
+def linear_cross_entropy(
+    x: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    chunk_size: int = 1024,
+    ignore_index: int | None = None,
+    z_loss: float = 0.0,
+    dtype: Any = None,
+) -> jax.Array:
+    """The mean float32 cross-entropy of `x @ kernel` against `labels`, without the logits.
+
+    Equals `optax.softmax_cross_entropy_with_integer_labels(
+    (x @ kernel).astype(float32), labels)` averaged over the non-ignored tokens (plus
+    `z_loss * mean(logsumexp(logits) ** 2)`, PaLM's auxiliary loss; logits plus `bias`
+    when given), value and gradients,
+    but processes the vocabulary a tile at a time: the logits GEMM runs in the compute dtype
+    with a float32 result, the log-softmax and loss in float32, and the backward pass
+    recomputes each tile's logits, so no `[tokens, vocab]` array is ever held. The
+    gradients of `x` and `kernel` are accumulated in float32 and rounded to the compute
+    dtype (as the GEMMs of the unfused loss give them), then cast to their own dtypes.
+
+    Under `mpjax.autocast`, which traces in float32 and keeps a `custom_vjp` as traced,
+    pass `dtype=` the policy's compute dtype so the GEMMs run in it; under `apply_policy`
+    the activations already arrive in the compute dtype.
+
+    Args:
+      x: `[..., d]` floating: the final hidden states.
+      kernel: `[d, vocab]` floating: the output projection (for a tied embedding table
+        `[vocab, d]`, its transpose `embedding.T`).
+      labels: integer `[...]` (x's leading shape): the target class of each token, in
+        `[0, vocab)` (or `ignore_index`).
+      bias: None, or the head's `[vocab]` bias (a Flax `Dense` head's), added to the
+        logits in float32; its gradient is accumulated in float32.
+      chunk_size: the size of each step's float32 logits, in tokens of the whole
+        vocabulary: the loop takes vocabulary tiles of `ceil(chunk_size * vocab / tokens)`
+        columns, so each step holds `[tokens, tile]` logits, about `chunk_size * vocab`
+        elements (of the global batch: with `x` sharded over `n` devices, each holds
+        1/n of them). Smaller is leaner, at more steps over the tokens.
+      ignore_index: tokens whose label equals it contribute neither loss nor gradient, and
+        are not counted in the mean (None: every token counts).
+      z_loss: the weight of `mean(logsumexp(logits) ** 2)` added to the loss (0 disables
+        it; PaLM used 1e-4).
+      dtype: the compute dtype of the GEMMs; None (default) is the promoted dtype of `x`
+        and `kernel` (bfloat16 for bfloat16 activations and a bfloat16 kernel).
+
+    Returns:
+      A float32 scalar: the mean loss over the non-ignored tokens (0 when there are none).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from mpjax.nn import linear_cross_entropy
+      >>> x = jax.random.normal(jax.random.key(0), (2, 5, 8), jnp.bfloat16)
+      >>> kernel = jax.random.normal(jax.random.key(1), (8, 11), jnp.bfloat16)
+      >>> labels = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, -1]])
+      >>> loss = linear_cross_entropy(x, kernel, labels, chunk_size=4, ignore_index=-1)
+      >>> loss.dtype, loss.shape
+      (dtype('float32'), ())
+    """
+    dtype = _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype)
+    vocab = kernel.shape[1]
+    if bias is not None and (
+        not hasattr(bias, "dtype")
+        or not jnp.issubdtype(bias.dtype, jnp.floating)
+        or bias.shape != (vocab,)
+    ):
+        got = f"{getattr(bias, 'dtype', type(bias).__name__)}{getattr(bias, 'shape', '')}"
+        raise ValueError(
+            f"linear_cross_entropy: bias must be None or a floating [vocab] = [{vocab}] "
+            f"array, got {got}"
+        )
+    d = x.shape[-1]
+    tokens = int(np.prod(x.shape[:-1], dtype=np.int64))
+    flat_x = x.reshape(tokens, d).astype(dtype)
+    flat_labels = labels.reshape(tokens).astype(jnp.int32)
+    valid = jnp.ones((tokens,), bool)
+    if ignore_index is not None:
+        valid = labels.reshape(tokens) != ignore_index
+    # vocabulary tiles of `width` columns: [tokens, width] logits per step, as many
+    # elements as `chunk_size` tokens of the whole vocabulary
+    width = min(vocab, max(1, -(-chunk_size * vocab // max(tokens, 1))))
+    tiles = -(-vocab // width)
+    pad = tiles * width - vocab
+    # Cast outside the custom_vjp: the gradients leave it in the compute dtype (as a GEMM's
+    # would), so a sharded kernel's gradient is reduced across devices in that dtype.
+    k = _gathered(kernel.astype(dtype))
+    b32 = jnp.zeros((vocab,), _F32) if bias is None else _gathered(bias.astype(_F32))
+    k = jnp.pad(k, ((0, 0), (0, pad))).reshape(d, tiles, width).transpose(1, 0, 2)
+    b32 = jnp.pad(b32, (0, pad), constant_values=-jnp.inf).reshape(tiles, width)
+    total = _make(float(z_loss))(flat_x, k, b32, flat_labels, valid)
+    count = jnp.sum(valid, dtype=jnp.int32)
+    return total / jnp.maximum(count, 1).astype(_F32)
