@@ -13,6 +13,9 @@ Run from the repository root:
     python examples/train_char_lm.py                # fp32, bf16, fp16; table + results/char_lm.png
     python examples/train_char_lm.py --precisions bf16 --optimizer-state bf16  # bf16 AdamW state
 
+`--saved-activations float8_e4m3fn` keeps every GEMM input saved for the backward pass in
+fp8 (`Policy(saved_activations=...)`; the GEMMs still run in the policy's compute dtype).
+
 `--param-dtype bf16` stores the params in bfloat16 (`loss_scaled` then keeps their float32
 master; `--master-weights remainder` keeps it as an int16 remainder: with bf16 state, 8
 bytes per param of training state).
@@ -61,6 +64,7 @@ __all__ = [
     "CharTransformer",
     "FP8_RECIPE",
     "PARAM_DTYPES",
+    "SAVED_ACTIVATIONS",
     "Corpus",
     "apply_precision",
     "load_corpus",
@@ -77,6 +81,9 @@ _LN2 = float(np.log(2.0))
 # (the top-level Dense) stays in bf16, as LM heads usually do.
 FP8 = "fp8"
 FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
+
+# --saved-activations: how GEMM inputs are kept for the backward pass (None: as computed).
+SAVED_ACTIVATIONS = (None, "float8_e4m3fn", "float8_e5m2")
 
 # --param-dtype: the dtype the params are stored (and trained) in.
 PARAM_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -108,6 +115,8 @@ class CharLMConfig:
       param_dtype: how the params are stored: "f32", or "bf16" (initialised in float32,
         then rounded to bfloat16; `loss_scaled` keeps their float32 master, whole or as a
         remainder per `master_weights`).
+      saved_activations: None, or an fp8 format ("float8_e4m3fn"): the policy's
+        `saved_activations` (GEMM inputs kept for the backward pass in fp8).
     """
 
     precision: str = "fp16"
@@ -125,8 +134,14 @@ class CharLMConfig:
     optimizer_state: str = "f32"
     master_weights: str = "auto"
     param_dtype: str = "f32"
+    saved_activations: str | None = None
 
     def __post_init__(self):
+        if self.saved_activations not in SAVED_ACTIVATIONS:
+            raise ValueError(
+                f"CharLMConfig.saved_activations={self.saved_activations!r}; choose from "
+                f"{SAVED_ACTIVATIONS}"
+            )
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(
                 f"CharLMConfig.optimizer_state={self.optimizer_state!r}; choose from "
@@ -283,7 +298,8 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
     )
     fp8 = config.precision == FP8
     base = "bf16" if fp8 else config.precision
-    apply = apply_precision(model, policy_for(base), FP8_RECIPE if fp8 else None)
+    policy = policy_for(base).with_saved_activations(config.saved_activations)
+    apply = apply_precision(model, policy, FP8_RECIPE if fp8 else None)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, max(1, config.steps // 10), config.steps
     )
@@ -471,6 +487,12 @@ def _parser() -> argparse.ArgumentParser:
         default=d.param_dtype,
         help="how the params are stored (bf16: loss_scaled keeps a float32 master)",
     )
+    p.add_argument(
+        "--saved-activations",
+        choices=[s for s in SAVED_ACTIVATIONS if s],
+        default=None,
+        help="keep every GEMM input saved for the backward pass in this fp8 format",
+    )
     return p
 
 
@@ -488,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         optimizer_state=args.optimizer_state,
         master_weights=args.master_weights,
         param_dtype=args.param_dtype,
+        saved_activations=args.saved_activations,
         **run_kwargs(args),
     )
     print()
