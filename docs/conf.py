@@ -15,6 +15,7 @@ ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # document the checkout's mpjax, not an installed copy
 sys.path.insert(0, str(DOCS))
 
+from memory_switch_tables import write_memory_switch_tables  # noqa: E402
 from memory_tables import write_memory_tables  # noqa: E402
 from performance_tables import write_performance_tables  # noqa: E402
 
@@ -24,6 +25,8 @@ import mpjax  # noqa: E402
 write_performance_tables(ROOT / "benchmarks" / "results.json", DOCS / "_generated")
 # The memory guide's, from benchmarks/memory_results.json (`python benchmarks/memory.py`).
 write_memory_tables(ROOT / "benchmarks" / "memory_results.json", DOCS / "_generated")
+# Its "where the memory goes" section, from `python benchmarks/memory_switches.py`.
+write_memory_switch_tables(ROOT / "benchmarks" / "memory_switches.json", DOCS / "_generated")
 
 project = "mpjax"
 author = "mpjax authors"
