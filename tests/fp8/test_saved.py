@@ -29,12 +29,14 @@ def test_weight_gradient_within_e4m3_bound(compute):
     def loss(w):
         return jnp.sum(_dot(xs, w).astype(jnp.float32) * cs.astype(jnp.float32))
 
-    dw = np.asarray(jax.grad(loss)(ws), np.float64)
+    dw = np.asarray(jax.jit(jax.grad(loss))(ws), np.float64)
     ref = x.astype(np.float64).T @ c.astype(np.float64)
     bound = weight_grad_bound(x, c, bf16=compute == jnp.bfloat16)
     assert np.all(np.abs(dw - ref) <= bound)
     # and the activation really went through e4m3: not the plain GEMM's gradient
-    plain = jax.grad(lambda w: jnp.sum((xs @ w).astype(jnp.float32) * cs.astype(jnp.float32)))
+    plain = jax.jit(
+        jax.grad(lambda w: jnp.sum((xs @ w).astype(jnp.float32) * cs.astype(jnp.float32)))
+    )
     assert np.abs(dw - np.asarray(plain(ws), np.float64)).max() > 0
 
 
@@ -44,7 +46,7 @@ def test_input_gradient_is_exact_and_weight_kept():
     x, w = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((8, 32), (32, 16)))
     f = lambda x, w: _dot(x, w).astype(jnp.float32).sum()  # noqa: E731
     g = lambda x, w: (x @ w).astype(jnp.float32).sum()  # noqa: E731
-    np.testing.assert_array_equal(jax.grad(f)(x, w), jax.grad(g)(x, w))
+    np.testing.assert_array_equal(jax.jit(jax.grad(f))(x, w), jax.jit(jax.grad(g))(x, w))
     assert residuals(f, x, w) == [(BF16, (32, 16)), (E4M3, (8, 32)), (np.dtype("float32"), (8, 1))]
 
 
