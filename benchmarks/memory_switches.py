@@ -78,8 +78,11 @@ SWITCHES: dict[str, Callable[[Knobs], Knobs]] = {
     "fp8 saved activations": lambda k: k._replace(policy=k.policy.with_saved_activations(E4M3)),
     "remainder + bf16 state": lambda k: k._replace(state="bf16-remainder"),
 }
-# Switches of issue 29 whose code lands on other branches; add them to SWITCHES (in this
-# order, before "fp8 saved activations") to measure them.
+# Switches of issue 29 whose code lands on other branches: a row "not on this branch" until
+# SWITCHES has an entry of the same name (insert them first, in this order), e.g.
+#   "fused attention": lambda k: k._replace(policy=...) or k._replace(module_kw={...}),
+#   "fused loss": lambda k: k._replace(loss=a loss(model, variables, tokens, padding) calling
+#       mpjax.nn.linear_cross_entropy on the LM's final hidden states and head kernel),
 PENDING = ("fused attention", "fused loss")
 # row name -> LM_VARIANTS name (hand-written programs).
 ANCHORS = {
