@@ -1,9 +1,10 @@
 """Where the memory of a GPT-2-small FSDP train step goes, and what each mpjax switch saves.
 
-One command (8 deviceless H100s, one FSDP axis, 8 sequences of 1024 per GPU; then the
-char-LM example trained with and without fp8 saved activations):
+One command (8 deviceless H100s, one FSDP axis, 8 sequences of 1024 per GPU, compiled
+under the gpu-aot python while the char-LM example trains here with and without fp8 saved
+activations):
 
-    JAX_PLATFORMS=cpu $MPJAX_GPU_AOT_PYTHON benchmarks/memory_switches.py \\
+    MPJAX_GPU_AOT_PYTHON=/path/to/gpu-aot/python python benchmarks/memory_switches.py \\
         --json benchmarks/memory_switches.json
 
 Each row is one train step (forward, backward, AdamW) compiled by XLA for the 8 H100s, with
@@ -26,9 +27,12 @@ skips the training runs.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +48,7 @@ import optax  # noqa: E402
 
 import mpjax  # noqa: E402
 from benchmarks.common import emit  # noqa: E402
-from benchmarks.gpu_cost_model import delegate_to_gpu_aot, plugin_available  # noqa: E402
+from benchmarks.gpu_cost_model import ENV_PYTHON, plugin_available  # noqa: E402
 from benchmarks.multi_gpu_cost import compile_fsdp, config, make_mesh  # noqa: E402
 from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, TrainProgram, _lm  # noqa: E402
 from mpjax._src.analysis.liveness import Buffer, attribute, peak_buffers  # noqa: E402
@@ -270,17 +274,14 @@ def table(results: list[dict], anchors: dict) -> tuple[list, list]:
     return columns, out
 
 
-def run(quick: bool = False, char_lm_seeds: int = 1) -> dict:
-    """Every row, and the char-LM convergence row (the `benchmarks/run.py` entry)."""
-    if not plugin_available():
-        return delegate_to_gpu_aot(Path(__file__), quick, ["--char-lm-seeds", str(char_lm_seeds)])
+def compile_rows(quick: bool) -> dict:
+    """Every row compiled and measured (needs the CUDA plugin: the gpu-aot python)."""
     t0 = time.time()
     cfg = config(quick)
     results = []
     for name, build in rows().items():
-        results.append(
-            {"row": name, "missing": True} if build is None else measure(name, build, cfg)
-        )
+        missing = {"row": name, "missing": True}
+        results.append(missing if build is None else measure(name, build, cfg))
     anchors = {
         a: next((r for r in results if r["row"] == a and not r.get("missing")), None)
         for a in ANCHORS
@@ -292,7 +293,6 @@ def run(quick: bool = False, char_lm_seeds: int = 1) -> dict:
         "columns": columns,
         "rows": table_rows,
         "details": results,
-        "char_lm": char_lm(quick, char_lm_seeds) if char_lm_seeds else None,
         "config": cfg,
         "notes": (
             f"jax {jax.__version__}; 8 deviceless H100s (1x1x8), one FSDP axis, state split "
@@ -303,6 +303,38 @@ def run(quick: bool = False, char_lm_seeds: int = 1) -> dict:
         ),
         "seconds": round(time.time() - t0),
     }
+
+
+def _start_gpu_aot(quick: bool, out: Path) -> subprocess.Popen:
+    """Starts this script's compile part under `$MPJAX_GPU_AOT_PYTHON` (no char-LM)."""
+    python = os.environ.get(ENV_PYTHON)
+    if not python:
+        raise SystemExit(f"memory_switches: set {ENV_PYTHON} (deviceless CUDA compile)")
+    cmd = [python, __file__, "--no-char-lm", "--json", str(out), *(["--quick"] if quick else [])]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def run(quick: bool = False, char_lm_seeds: int = 1) -> dict:
+    """Every row, and the char-LM convergence row (the `benchmarks/run.py` entry).
+
+    Under a python without the CUDA plugin, the rows compile under `$MPJAX_GPU_AOT_PYTHON`
+    while the char-LM trains here (the gpu-aot environment has no example dependencies).
+    """
+    if plugin_available():
+        result = compile_rows(quick)
+        result["char_lm"] = char_lm(quick, char_lm_seeds) if char_lm_seeds else None
+        return result
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        proc = _start_gpu_aot(quick, out)
+        lm = char_lm(quick, char_lm_seeds) if char_lm_seeds else None
+        _, err = proc.communicate()
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"compile part exited with {proc.returncode}: {err[-2000:]!r}")
+        result = json.loads(out.read_text())
+    result["char_lm"] = lm
+    return result
 
 
 def main(argv=None) -> dict:

@@ -1,7 +1,7 @@
 """Writes the memory guide's "where the memory goes" tables from `benchmarks/memory_switches.json`.
 
 Every figure comes from the JSON that one run of
-`$MPJAX_GPU_AOT_PYTHON benchmarks/memory_switches.py --json benchmarks/memory_switches.json`
+`python benchmarks/memory_switches.py --json benchmarks/memory_switches.json`
 writes (run by conf.py); one Markdown file lands in `docs/_generated/` (git-ignored).
 
     python docs/memory_switch_tables.py benchmarks/memory_switches.json docs/_generated
