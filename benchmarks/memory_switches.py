@@ -274,12 +274,14 @@ def table(results: list[dict], anchors: dict) -> tuple[list, list]:
     return columns, out
 
 
-def compile_rows(quick: bool) -> dict:
-    """Every row compiled and measured (needs the CUDA plugin: the gpu-aot python)."""
+def compile_rows(quick: bool, only: tuple[str, ...] = ()) -> dict:
+    """Every row (or those named in `only`) compiled and measured (needs the CUDA plugin)."""
     t0 = time.time()
     cfg = config(quick)
     results = []
     for name, build in rows().items():
+        if only and name not in only:
+            continue
         missing = {"row": name, "missing": True}
         results.append(missing if build is None else measure(name, build, cfg))
     anchors = {
@@ -343,8 +345,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--char-lm-seeds", type=int, default=2, help="seeds per char-LM mode")
     parser.add_argument("--no-char-lm", action="store_true", help="skip the char-LM runs")
     parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument("--rows", default="", help="only these rows (';'-separated; gpu-aot)")
     args = parser.parse_args(argv)
     seeds = 0 if args.no_char_lm else args.char_lm_seeds
+    if args.rows:
+        only = tuple(r.strip() for r in args.rows.split(";") if r.strip())
+        return emit(compile_rows(args.quick, only), args.json)
     return emit(run(args.quick, seeds), args.json)
 
 

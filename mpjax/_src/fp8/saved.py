@@ -87,7 +87,10 @@ def saved_in_fp8(
     def forward(*xs):
         saved = []
         for x, keep, ax in zip(xs, which, axes, strict=True):
-            saved.append(_quantised(x, ax, dtype) if keep else x)
+            # The barrier makes XLA write the fp8 copy in the forward pass: left alone, it
+            # fuses quantise and dequantise into the backward's reader of `x`, keeping the
+            # compute-dtype `x` alive instead.
+            saved.append(lax.optimization_barrier(_quantised(x, ax, dtype)) if keep else x)
         return fn(*xs), tuple(saved)
 
     def backward(saved, g):
