@@ -25,14 +25,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import benchmarks.gpu_cost_model as gcm  # noqa: E402
+import benchmarks.multi_gpu_cost as mgc  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import benchmarks.gpu_cost_model as gcm  # noqa: E402
-import benchmarks.multi_gpu_cost as mgc  # noqa: E402
 from benchmarks.common import emit  # noqa: E402
 from mpjax.nn import linear_cross_entropy  # noqa: E402
 

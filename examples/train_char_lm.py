@@ -16,6 +16,8 @@ Run from the repository root:
 The loss is `mpjax.nn.linear_cross_entropy` (the head GEMM in the compute dtype, the float32
 softmax a vocabulary tile at a time, never the float32 logits); `--no-fused-loss` computes
 the head's logits and optax's cross-entropy instead.
+`--saved-activations float8_e4m3fn` keeps every GEMM input saved for the backward pass in
+fp8 (`Policy(saved_activations=...)`; the GEMMs still run in the policy's compute dtype).
 
 `--param-dtype bf16` stores the params in bfloat16 (`loss_scaled` then keeps their float32
 master; `--master-weights remainder` keeps it as an int16 remainder: with bf16 state, 8
@@ -67,6 +69,7 @@ __all__ = [
     "FP8_RECIPE",
     "FP8_RECIPES",
     "PARAM_DTYPES",
+    "SAVED_ACTIVATIONS",
     "Corpus",
     "apply_precision",
     "load_corpus",
@@ -91,6 +94,9 @@ FP8_RECIPES = {
         for name in ("mxfp8", "nvfp4", "blockwise")
     },
 }
+
+# --saved-activations: how GEMM inputs are kept for the backward pass (None: as computed).
+SAVED_ACTIVATIONS = (None, "float8_e4m3fn", "float8_e5m2")
 
 # --param-dtype: the dtype the params are stored (and trained) in.
 PARAM_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -127,6 +133,8 @@ class CharLMConfig:
         hidden states and the head's kernel and bias (the head GEMM in the compute dtype,
         the float32 softmax a vocabulary tile at a time, never the whole float32 logits);
         False: the head's logits, then optax's cross-entropy.
+      saved_activations: None, or an fp8 format ("float8_e4m3fn"): the policy's
+        `saved_activations` (GEMM inputs kept for the backward pass in fp8).
     """
 
     precision: str = "fp16"
@@ -145,8 +153,14 @@ class CharLMConfig:
     master_weights: str = "auto"
     param_dtype: str = "f32"
     fused_loss: bool = True
+    saved_activations: str | None = None
 
     def __post_init__(self):
+        if self.saved_activations not in SAVED_ACTIVATIONS:
+            raise ValueError(
+                f"CharLMConfig.saved_activations={self.saved_activations!r}; choose from "
+                f"{SAVED_ACTIVATIONS}"
+            )
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(
                 f"CharLMConfig.optimizer_state={self.optimizer_state!r}; choose from "
@@ -305,7 +319,7 @@ def make_train_fns(config: CharLMConfig) -> TrainFns:
     )
     fp8 = FP8_RECIPES.get(config.precision)
     base = "bf16" if fp8 else config.precision
-    policy = policy_for(base)
+    policy = policy_for(base).with_saved_activations(config.saved_activations)
     body = model.clone(hidden_only=True) if config.fused_loss else model
     apply = apply_precision(body, policy, fp8)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -508,6 +522,12 @@ def _parser() -> argparse.ArgumentParser:
         default=d.param_dtype,
         help="how the params are stored (bf16: loss_scaled keeps a float32 master)",
     )
+    p.add_argument(
+        "--saved-activations",
+        choices=[s for s in SAVED_ACTIVATIONS if s],
+        default=None,
+        help="keep every GEMM input saved for the backward pass in this fp8 format",
+    )
     return p
 
 
@@ -526,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         master_weights=args.master_weights,
         param_dtype=args.param_dtype,
         fused_loss=args.fused_loss,
+        saved_activations=args.saved_activations,
         **run_kwargs(args),
     )
     print()

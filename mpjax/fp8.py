@@ -1,4 +1,5 @@
-"""Float8 training: `Fp8Recipe`, quantisation with current scaling and the fp8 `dot_general`."""
+"""Float8 training: `Fp8Recipe`, quantisation with current scaling, the fp8 `dot_general`, and
+fp8 saved activations (`Policy.saved_activations`)."""
 
 from mpjax._src.autocast.fp8_report import Fp8Op, fp8_ops
 from mpjax._src.flax.fp8_nnx import Fp8Meta, update_nnx_fp8_meta
@@ -19,6 +20,13 @@ from mpjax._src.fp8.delayed import FP8_META, delayed_fp8_dot_general, init_fp8_m
 from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax._src.fp8.quant import amax, compute_scale, dequantize, fp8_max, quantize
 from mpjax._src.fp8.recipe import FP8_DTYPES, Fp8Recipe, Fp8Site
+from mpjax._src.fp8.saved import (
+    SAVED_FP8_NAME,
+    fp8_saved_conv,
+    fp8_saved_dot_general,
+    saved_activations_policy,
+    saved_in_fp8,
+)
 
 __all__ = [
     "BLOCK_SCALINGS",
@@ -29,6 +37,7 @@ __all__ = [
     "Fp8Op",
     "Fp8Recipe",
     "Fp8Site",
+    "SAVED_FP8_NAME",
     "amax",
     "block_scaled_dot_general",
     "block_shape",
@@ -41,11 +50,15 @@ __all__ = [
     "fp8_eligible",
     "fp8_max",
     "fp8_ops",
+    "fp8_saved_conv",
+    "fp8_saved_dot_general",
     "init_fp8_meta",
     "native_block_gemms",
     "quantize",
     "quantize_blocks",
     "random_hadamard",
+    "saved_activations_policy",
+    "saved_in_fp8",
     "update_fp8_meta",
     "update_nnx_fp8_meta",
 ]

@@ -81,6 +81,7 @@ from mpjax._src.autocast.rules import (
     is_float,
     widest,
 )
+from mpjax._src.autocast.saved_hook import lower_saved, saved_operands
 from mpjax._src.autocast.sharded import SHARDED_RULES
 from mpjax._src.core.policy import Policy, as_float_dtype, get_policy
 from mpjax._src.fp8.recipe import Fp8Recipe
@@ -110,7 +111,8 @@ def _eval_jaxpr(
     constant = set(jaxpr.constvars)  # variables computed from constants alone
     # fp8: the equation producing each variable (an fp8 GEMM input's pointwise chain), and
     # the chains only an fp8 GEMM reads, evaluated at that GEMM (see mpjax/fp8/recompute).
-    producers = {} if ctx.fp8 is None else {v: e for e in jaxpr.eqns for v in e.outvars}
+    watch = ctx.fp8 is not None or ctx.saved is not None
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars} if watch else {}
     chains = fp8_chains(ctx, jaxpr)
     deferred = {id(e) for chain in chains.values() for e in chain}
 
@@ -160,10 +162,17 @@ def _eval_jaxpr(
                 outs, out_origins = rule(_eval_jaxpr, ctx, eqn, list(vals), list(flags))
             else:
                 requant = (
-                    functools.partial(requantised_lhs, eqn, producers, env) if producers else None
+                    functools.partial(requantised_lhs, eqn, producers, env)
+                    if ctx.fp8 is not None
+                    else None
+                )
+                saved = (
+                    functools.partial(saved_operands, eqn, producers, env, constant)
+                    if ctx.saved is not None
+                    else None
                 )
                 outs, out_origins = _first_order(
-                    ctx, eqn, list(vals), list(flags), cast_in, requant
+                    ctx, eqn, list(vals), list(flags), cast_in, requant, saved
                 )
         for var, val, origin in zip(eqn.outvars, outs, out_origins, strict=True):
             write(var, val, origin)
@@ -193,12 +202,13 @@ def _as_traced(eqn, cast_in) -> tuple[list, list]:
 
 
 def _first_order(
-    ctx: AutocastContext, eqn, vals: list, origins: list, cast_in, requant=None
+    ctx: AutocastContext, eqn, vals: list, origins: list, cast_in, requant=None, saved=None
 ) -> tuple[list, list]:
     """Binds a first-order primitive with operands cast by its category.
 
     `cast_in(i, dtype)` returns operand `i` cast to `dtype` (cached per variable);
-    `requant()` the float32 recomputation of an fp8 GEMM's left operand (or None).
+    `requant()` the float32 recomputation of an fp8 GEMM's left operand (or None);
+    `saved()` which operands of a GEMM to keep in fp8 for the backward (or None).
     """
     prim, params = eqn.primitive, eqn.params
     name = prim.name
@@ -224,7 +234,12 @@ def _first_order(
             return fp8_outs, [LOW] * len(fp8_outs)
         reduce = reduced_operands(ctx, name, vals, origins)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
-        outs = lower_precision_op(ctx, prim, params, vals, reduce)
+        which = None if saved is None else saved()
+        if which is not None:  # fp8 saved activations (Policy.saved_activations)
+            lower = functools.partial(lower_precision_op, ctx, prim, params, reduce=reduce)
+            outs = lower_saved(lower, eqn, vals, which, ctx.saved)
+        else:
+            outs = lower_precision_op(ctx, prim, params, vals, reduce)
         return outs, [LOW] * len(outs)
     if category == "fp32":
         dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
@@ -389,7 +404,12 @@ def autocast(
     # float64 was asked for, and the output dtype it names is honoured.
     keep_wide = not any(_wide(d) for d in (pol.param_dtype, pol.compute_dtype, pol.output_dtype))
     ctx = AutocastContext(
-        pol.compute_dtype, accum, lists, check_autocast_recipe(fp8), pol.reduce_dtype
+        pol.compute_dtype,
+        accum,
+        lists,
+        check_autocast_recipe(fp8),
+        pol.reduce_dtype,
+        pol.saved_activations,
     )
 
     @functools.wraps(fun)

@@ -16,6 +16,7 @@ from mpjax._src.autocast.fp8_recompute import (
     recomputed,
     reevaluate_f32,
 )
+from mpjax._src.autocast.saved_hook import saved_candidate
 from mpjax._src.fp8.conv import conv_gemm_site, fp8_conv_1x1
 from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
@@ -84,17 +85,23 @@ def fp8_lower(
 
 
 def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
-    """{id(fp8 GEMM equation): the pointwise chain only it reads} (see `exclusive_chains`).
+    """{id(GEMM equation): the pointwise chain only it reads} (see `exclusive_chains`).
 
-    Only GEMMs that `fp8_lower` takes: lower-precision ops under the op lists, eligible
-    under the recipe. Empty without an fp8 recipe.
+    Only GEMMs that `fp8_lower` takes (lower-precision ops under the op lists, eligible
+    under the recipe) and, with `Policy.saved_activations`, GEMMs whose left operand is
+    kept in fp8 (a chain's intermediates would otherwise be saved in the compute dtype
+    next to the fp8 copy). Empty with neither.
     """
-    if ctx.fp8 is None:
+    saved = getattr(ctx, "saved", None)
+    if ctx.fp8 is None and saved is None:
         return {}
 
     def candidate(eqn):
-        lower = ctx.lists.category(eqn.primitive.name, eqn.params) == "lower"
-        return lower and fp8_candidate(ctx.fp8, eqn)
+        if ctx.lists.category(eqn.primitive.name, eqn.params) != "lower":
+            return False
+        if ctx.fp8 is not None and fp8_candidate(ctx.fp8, eqn):
+            return True
+        return saved is not None and eqn.primitive.name == "dot_general" and saved_candidate(eqn)
 
     return exclusive_chains(jaxpr, candidate)
 

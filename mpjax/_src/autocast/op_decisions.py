@@ -91,13 +91,15 @@ OPAQUE = frozenset(
 
 
 class AutocastContext(NamedTuple):
-    """What one autocast call rewrites with: dtypes, op lists, fp8 recipe, reduce dtype."""
+    """What one autocast call rewrites with: dtypes, op lists, fp8 recipe, reduce dtype, and
+    the fp8 format of saved GEMM inputs (`Policy.saved_activations`)."""
 
     compute: np.dtype
     accum: np.dtype | None
     lists: OpLists
     fp8: Fp8Recipe | None = None
     reduce: np.dtype | None = None
+    saved: np.dtype | None = None
 
 
 def size_of(x: Any) -> int:

@@ -42,6 +42,14 @@ KERAS_POLICY_NAMES: dict[str, tuple[Any, Any, Any]] = {
     "mixed_float16": (jnp.float32, jnp.float16, jnp.float16),
 }
 
+# fp8 formats `Policy.saved_activations` takes (spec key `saved=`), by name.
+SAVED_DTYPE_NAMES: dict[str, Any] = {
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "e4m3": jnp.float8_e4m3fn,
+    "float8_e5m2": jnp.float8_e5m2,
+    "e5m2": jnp.float8_e5m2,
+}
+
 _KEYS = {
     "params": "params",
     "p": "params",
@@ -51,6 +59,8 @@ _KEYS = {
     "o": "output",
     "reduce": "reduce",
     "r": "reduce",
+    "saved": "saved",
+    "s": "saved",
 }
 
 
@@ -98,6 +108,24 @@ def as_policy_dtype(value: Any, what: str) -> np.dtype:
         raise ValueError(
             f"{what}: {dtype.name} cannot be a policy dtype; a policy holds "
             f"{', '.join(d.name for d in POLICY_DTYPES)}{hint}"
+        )
+    return dtype
+
+
+def as_saved_dtype(value: Any) -> np.dtype | None:
+    """Normalises `Policy.saved_activations`: None, or an fp8 format (e4m3fn or e5m2)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in SAVED_DTYPE_NAMES:
+        value = SAVED_DTYPE_NAMES[value.strip().lower()]
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype not in {jnp.dtype(d) for d in SAVED_DTYPE_NAMES.values()}:
+        raise ValueError(
+            f"Policy.saved_activations: {value!r} is not an fp8 format; use None, "
+            "'float8_e4m3fn' (e4m3: 3 mantissa bits, the precise one) or 'float8_e5m2'"
         )
     return dtype
 
@@ -204,6 +232,12 @@ class Policy:
         the dtype XLA sums them across devices in under data parallelism / FSDP (PyTorch
         FSDP's `reduce_dtype`), then converted once to the compute dtype; None (the default)
         leaves them in the compute dtype, as without a policy.
+      saved_activations: None (the default), or an fp8 format (`"float8_e4m3fn"`): the
+        activation input of each GEMM (`Dense`, `Conv`, an autocast `dot_general` without
+        batch dimensions whose operand is not a parameter) is kept for the backward pass
+        as fp8 with a float32 scale per row (current scaling), instead of in the compute
+        dtype; the GEMM itself still runs in the compute dtype. Halves the memory of the
+        saved GEMM inputs (see the memory guide and `mpjax.fp8.saved_activations_policy`).
 
     Example:
       >>> from mpjax import Policy
@@ -216,6 +250,7 @@ class Policy:
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
     reduce_dtype: Any = None
+    saved_activations: Any = None
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
@@ -223,6 +258,7 @@ class Policy:
             if field == "reduce_dtype" and value is None:
                 continue
             object.__setattr__(self, field, as_policy_dtype(value, f"Policy.{field}"))
+        object.__setattr__(self, "saved_activations", as_saved_dtype(self.saved_activations))
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating leaves of `tree` to `param_dtype`; other leaves pass through."""
@@ -245,6 +281,16 @@ class Policy:
           dtype('float32')
         """
         return dataclasses.replace(self, reduce_dtype=reduce_dtype)
+
+    def with_saved_activations(self, saved_activations: Any) -> Policy:
+        """Returns this policy with `saved_activations` replaced (an fp8 format or None).
+
+        Example:
+          >>> import mpjax
+          >>> str(mpjax.get_policy("c=bf16").with_saved_activations("float8_e4m3fn"))
+          'params=float32,compute=bfloat16,output=bfloat16,saved=float8_e4m3fn'
+        """
+        return dataclasses.replace(self, saved_activations=saved_activations)
 
     def with_output_param_dtype(self) -> Policy:
         """Returns this policy with `output_dtype` set to `param_dtype`."""
@@ -293,6 +339,8 @@ class Policy:
         )
         if self.reduce_dtype is not None:
             text += f",reduce={self.reduce_dtype.name}"
+        if self.saved_activations is not None:
+            text += f",saved={self.saved_activations.name}"
         return text
 
 
@@ -300,7 +348,8 @@ def get_policy(spec: str | Policy) -> Policy:
     """Parses a policy spec in jmp's grammar, or a Keras policy name.
 
     `"params=float32,compute=bfloat16,output=float32"`; short keys `p=`, `c=`, `o=`;
-    `reduce=`/`r=` sets `Policy.reduce_dtype` (unset: None);
+    `reduce=`/`r=` sets `Policy.reduce_dtype` (unset: None); `saved=`/`s=` sets
+    `Policy.saved_activations` (`float8_e4m3fn`/`e4m3` or `float8_e5m2`/`e5m2`);
     dtype names `float32/f32/full`, `bfloat16/bf16/half`, `float16/f16`,
     `float64/f64`; a bare name sets all three. Params default to float32, compute to
     params, output to compute. `get_policy(str(p)) == p` for every policy. Unlike jmp,
@@ -373,9 +422,12 @@ def get_policy(spec: str | Policy) -> Policy:
         canon = _KEYS[key]
         if canon in values:
             raise ValueError(f"key {canon!r} given twice in policy spec {spec!r}")
+        if canon == "saved":
+            values[canon] = as_saved_dtype(value.strip())
+            continue
         values[canon] = dtype_of(value, f"key {key!r}")
 
     params = values.get("params", jnp.float32)
     compute = values.get("compute", params)
     output = values.get("output", compute)
-    return Policy(params, compute, output, values.get("reduce"))
+    return Policy(params, compute, output, values.get("reduce"), values.get("saved"))

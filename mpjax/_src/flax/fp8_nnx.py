@@ -53,6 +53,7 @@ from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 __all__ = [
     "NNX_DELAYED_MODULES",
     "Fp8Meta",
+    "has_delayed_fp8",
     "nnx_delayed_override",
     "plan_nnx_fp8",
     "set_nnx_fp8",
@@ -94,6 +95,11 @@ class _Fp8Record:
     config: DelayedFp8
     name: str
     stacked: tuple[int, ...] = ()
+
+
+def has_delayed_fp8(module: nnx.Module) -> bool:
+    """Whether `apply_policy(fp8=...)` runs this module's GEMM in fp8 (delayed scaling)."""
+    return _SITE_ATTR in vars(module)
 
 
 def _custom_dot(module: nnx.Module) -> bool:

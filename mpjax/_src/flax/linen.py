@@ -301,6 +301,8 @@ class _Interceptor:
             nn.dot_product_attention,
             float32_softmax_attention,
             res.policy.reduce_dtype,
+            # delayed fp8 (`fp8=`) replaces the Dense GEMMs: their own residuals apply.
+            res.policy.saved_activations if self.fp8 is None else None,
         )
         fp8 = self.fp8 if context.method_name == "__call__" else None
         fp8_name = f"{type(self.root).__name__}/{'/'.join(self.rel_path(module))}"

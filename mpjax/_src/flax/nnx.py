@@ -51,7 +51,12 @@ from mpjax._src.flax.float32_only import (
     naming_float32_only_ops,
 )
 from mpjax._src.flax.fp8_linen import DelayedFp8
-from mpjax._src.flax.fp8_nnx import nnx_delayed_override, plan_nnx_fp8, set_nnx_fp8
+from mpjax._src.flax.fp8_nnx import (
+    has_delayed_fp8,
+    nnx_delayed_override,
+    plan_nnx_fp8,
+    set_nnx_fp8,
+)
 from mpjax._src.flax.nnx_attention import float32_softmax_attention
 from mpjax._src.flax.nnx_snapshot import NnxSnapshot
 from mpjax._src.flax.rules import check_path_rules, field_overrides, parse_rules, resolve
@@ -209,6 +214,8 @@ def _policy_call(self, fn, args, kwargs, info: _ModulePolicy, stack: tuple):
         nnx.dot_product_attention,
         float32_softmax_attention,
         info.policy.reduce_dtype,
+        # delayed fp8 replaces the module's GEMM: its own residuals apply.
+        None if has_delayed_fp8(self) else info.policy.saved_activations,
     )
     fp8 = nnx_delayed_override(self) if fn.__name__ == "__call__" else contextlib.nullcontext()
     token = _CALL_STACK.set(stack + (self,))

@@ -43,6 +43,7 @@ from jax import lax
 from mpjax._src.core.policy import Policy, get_policy
 from mpjax._src.core.reduce_dot import reduce_dot_general
 from mpjax._src.flax.defaults import Defaults
+from mpjax._src.fp8.saved import fp8_saved_conv, fp8_saved_dot_general
 
 __all__ = [
     "Resolved",
@@ -336,6 +337,28 @@ def _reduces_kernel(module: Any) -> bool:
     )
 
 
+def _own_conv(module: Any) -> bool:
+    """A `Conv` (linen or NNX) running `lax.conv_general_dilated` (no custom conv)."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return (
+        "Conv" in names
+        and getattr(module, "conv_general_dilated", 0) in (None, lax.conv_general_dilated)
+        and getattr(module, "conv_general_dilated_cls", None) is None
+    )
+
+
+def _dot_override(module: Any, reduce_dtype: Any, saved_dtype: Any) -> Any:
+    """The `dot_general` a `Dense`-like module gets for `reduce_dtype` / `saved_dtype`."""
+    if (reduce_dtype is None and saved_dtype is None) or not _reduces_kernel(module):
+        return None
+    dot = lax.dot_general
+    if reduce_dtype is not None:
+        dot = functools.partial(reduce_dot_general, reduce_dtype=reduce_dtype)
+    if saved_dtype is not None:
+        dot = functools.partial(fp8_saved_dot_general, saved_dtype=saved_dtype, inner=dot)
+    return dot
+
+
 @contextlib.contextmanager
 def field_overrides(
     module,
@@ -344,6 +367,7 @@ def field_overrides(
     default_attention,
     f32_attention,
     reduce_dtype=None,
+    saved_dtype=None,
 ):
     """Temporarily sets a module's dtype-related fields for one call, then restores them.
 
@@ -354,7 +378,11 @@ def field_overrides(
       the float32-softmax variant;
     - `dot_general`, when `reduce_dtype` is set and the module is a `Dense`/`DenseGeneral`
       (linen) or `Linear`/`LinearGeneral` (NNX) with no `dot_general` of its own, is
-      `reduce_dot_general`: the kernel gradient leaves its GEMM in `reduce_dtype`.
+      `reduce_dot_general`: the kernel gradient leaves its GEMM in `reduce_dtype`;
+      with `saved_dtype` (the policy's `saved_activations`), wrapped in
+      `fp8_saved_dot_general`: the layer's input is kept for the backward pass in fp8;
+    - `conv_general_dilated` of a `Conv` with none of its own, when `saved_dtype` is set:
+      `fp8_saved_conv` (its input kept in fp8 for the backward pass).
 
     Args:
       module: the module (its fields are set with `object.__setattr__`, as Flax itself
@@ -364,6 +392,7 @@ def field_overrides(
       default_attention: the framework's default attention function.
       f32_attention: its float32-softmax replacement.
       reduce_dtype: the policy's `reduce_dtype` (None: no `dot_general` override).
+      saved_dtype: the policy's `saved_activations` (None: activations saved as they are).
     """
     changes = []
     if module is not None:
@@ -371,9 +400,12 @@ def field_overrides(
             changes.append(("dtype", compute_dtype))
         if float32_softmax and getattr(module, "attention_fn", None) is default_attention:
             changes.append(("attention_fn", f32_attention))
-        if reduce_dtype is not None and _reduces_kernel(module):
-            dot = functools.partial(reduce_dot_general, reduce_dtype=reduce_dtype)
+        dot = _dot_override(module, reduce_dtype, saved_dtype)
+        if dot is not None:
             changes.append(("dot_general", dot))
+        if saved_dtype is not None and _own_conv(module):
+            conv = functools.partial(fp8_saved_conv, saved_dtype=saved_dtype)
+            changes.append(("conv_general_dilated", conv))
     saved = [(name, module.__dict__[name]) for name, _ in changes if name in module.__dict__]
     try:
         for name, value in changes:

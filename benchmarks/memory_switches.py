@@ -1,0 +1,358 @@
+"""Where the memory of a GPT-2-small FSDP train step goes, and what each mpjax switch saves.
+
+One command (8 deviceless H100s, one FSDP axis, 8 sequences of 1024 per GPU, compiled
+under the gpu-aot python while the char-LM example trains here with and without fp8 saved
+activations):
+
+    MPJAX_GPU_AOT_PYTHON=/path/to/gpu-aot/python python benchmarks/memory_switches.py \\
+        --json benchmarks/memory_switches.json
+
+Each row is one train step (forward, backward, AdamW) compiled by XLA for the 8 H100s, with
+its per-GPU temporaries and arguments from XLA's buffer assignment, and the temporaries
+live at the peak attributed to categories by shape by a liveness walk of the optimized HLO
+(`mpjax/_src/analysis/liveness.py`): attention scores (T x T), logits (vocabulary-wide),
+MLP hidden, model-width hidden states, weight copies (a parameter's size or its FSDP
+shard), fp8 saved activations, other. The rows: the two anchors (the hand-written Flax
+bf16 LM with XLA attention, and the expert's with cuDNN attention), mpjax's
+`apply_policy` path without any switch, each switch alone, and all switches together.
+
+A switch is a function `Knobs -> Knobs` in `SWITCHES` (a few lines): it changes the
+policy, the LM's fields, the loss or the training state. A switch or anchor whose code is
+not on this branch is reported as such (see `PENDING`, `ANCHORS`).
+
+`--quick` uses the quick LM and the char-LM's quick sizes (for tests); `--no-char-lm`
+skips the training runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from benchmarks.gpu_cost_model import ENV_PYTHON, plugin_available  # noqa: E402
+from benchmarks.multi_gpu_cost import compile_fsdp, config, make_mesh  # noqa: E402
+
+import mpjax  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
+from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, TrainProgram, _lm  # noqa: E402
+from mpjax._src.analysis.liveness import Buffer, attribute, peak_buffers  # noqa: E402
+
+GIB = 2**30
+E4M3 = "float8_e4m3fn"
+DEVICES = 8
+
+
+class Knobs(NamedTuple):
+    """What a switch may change in mpjax's LM train step.
+
+    Attributes:
+      policy: the `apply_policy` policy.
+      module_kw: extra fields of the LM module (`benchmarks/train_models.py`).
+      loss: `loss(model, variables, tokens, padding) -> mean float32 loss` (`model` is the
+        policy-wrapped LM, `tokens` include the next token); None: logits, then optax's
+        softmax cross-entropy in float32 (the unfused loss).
+      state: `"f32"` (float32 params, AdamW state in float32) or `"bf16-remainder"`
+        (bfloat16 params, `loss_scaled`'s int16 remainder master, AdamW state in bfloat16).
+    """
+
+    policy: mpjax.Policy = mpjax.get_policy(ONE_STRING)
+    module_kw: dict = {}
+    loss: Callable | None = None
+    state: str = "f32"
+
+
+# name -> Knobs -> Knobs. Each switch is a few lines; they compose in this order.
+SWITCHES: dict[str, Callable[[Knobs], Knobs]] = {
+    "fp8 saved activations": lambda k: k._replace(policy=k.policy.with_saved_activations(E4M3)),
+    "remainder + bf16 state": lambda k: k._replace(state="bf16-remainder"),
+}
+# Switches of issue 29 whose code lands on other branches: a row "not on this branch" until
+# SWITCHES has an entry of the same name (insert them first, in this order), e.g.
+#   "fused attention": lambda k: k._replace(policy=...) or k._replace(module_kw={...}),
+#   "fused loss": lambda k: k._replace(loss=a loss(model, variables, tokens, padding) calling
+#       mpjax.nn.linear_cross_entropy on the LM's final hidden states and head kernel),
+PENDING = ("fused attention", "fused loss")
+# row name -> LM_VARIANTS name (hand-written programs).
+ANCHORS = {
+    "anchor: hand-written bf16, XLA attention": "bf16",
+    "anchor: expert, cuDNN attention": "bf16-cudnn",
+}
+CATEGORIES = (
+    "attention scores and probabilities (T x T)",
+    "float32 logits",
+    "bf16 logits",
+    "MLP hidden",
+    "model-width hidden states",
+    "fp8 saved activations",
+    "weight copies",
+    "other",
+)
+
+
+def _unfused_loss(model, variables, tokens, padding):
+    logits = model.apply(variables, tokens[:, :-1], padding).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return jnp.sum(ce * padding) / jnp.maximum(jnp.sum(padding), 1)
+
+
+def _adamw():
+    return optax.adamw(3e-4, b2=0.95, weight_decay=0.1)
+
+
+def program(cfg: dict, knobs: Knobs) -> TrainProgram:
+    """The LM train step of `knobs` (`benchmarks/train_variants.lm_program`'s data)."""
+    base = LM_VARIANTS["bf16"](cfg)  # batch() and the shapes
+    init_model = _lm(cfg, **knobs.module_kw)
+    policy, tx = knobs.policy, _adamw()
+    if knobs.state == "bf16-remainder":
+        policy = policy.with_param_dtype(jnp.bfloat16)
+        tx = mpjax.loss_scaled(
+            mpjax.low_precision_state(tx, jnp.bfloat16),
+            mpjax.NoOpLossScale(),
+            master_weights="remainder",
+        )
+    elif knobs.state != "f32":
+        raise ValueError(f"Knobs.state={knobs.state!r}; use 'f32' or 'bf16-remainder'")
+    model = mpjax.apply_policy(init_model, policy)
+    loss_fn = knobs.loss or _unfused_loss
+    scaled = knobs.state != "f32"
+
+    def init(key):
+        tokens = jnp.zeros((cfg["batch"], cfg["seq"]), jnp.int32)
+        params = init_model.init(key, tokens, tokens > 0)["params"]
+        params = policy.cast_to_param(params)
+        return params, tx.init(params)
+
+    def step(state, batch):
+        params, opt_state = state
+        tokens, padding = batch
+
+        def objective(p):
+            loss = loss_fn(model, {"params": p}, tokens, padding)
+            return (mpjax.scale_loss(loss, opt_state) if scaled else loss), loss
+
+        grads, loss = jax.grad(objective, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return TrainProgram(init, base.batch, step, base.items)
+
+
+def rows() -> dict[str, Callable[[dict], TrainProgram] | None]:
+    """Row name -> program builder (None: not on this branch)."""
+    out: dict[str, Callable | None] = {r: LM_VARIANTS.get(v) for r, v in ANCHORS.items()}
+    knobs = Knobs()
+    out["mpjax apply_policy, no switch"] = lambda cfg, k=knobs: program(cfg, k)
+    for name in PENDING:
+        if name not in SWITCHES:
+            out[f"+ {name}"] = None
+    for name, switch in SWITCHES.items():
+        alone = switch(knobs)
+        out[f"+ {name}"] = lambda cfg, k=alone: program(cfg, k)
+    every = knobs
+    for switch in SWITCHES.values():
+        every = switch(every)
+    out["all switches"] = lambda cfg, k=every: program(cfg, k)
+    return out
+
+
+def lm_category(cfg: dict, param_sizes: set[int]) -> Callable[[Buffer], str]:
+    """Names the category of a buffer of the per-device LM step by its shape and dtype."""
+    tokens = cfg["batch"] // DEVICES * cfg["seq"]
+    seq, d, mlp, vocab = cfg["seq"], cfg["d"], cfg["mlp"], cfg["vocab"]
+
+    def category(buf: Buffer) -> str:
+        dtype, dims = max(buf.shapes, key=lambda s: math.prod(s[1]))
+        n = math.prod(dims)
+        if dtype.startswith("f8"):
+            return "fp8 saved activations"
+        if list(dims).count(seq) >= 2:
+            return "attention scores and probabilities (T x T)"
+        if vocab in dims and n >= tokens * vocab // 2:
+            return "float32 logits" if dtype == "f32" else "bf16 logits"
+        if n == tokens * mlp:
+            return "MLP hidden"
+        if n in (tokens * d, 3 * tokens * d):
+            return "model-width hidden states"
+        if n in param_sizes:
+            return "weight copies"
+        return "other"
+
+    return category
+
+
+def measure(name: str, build: Callable, cfg: dict) -> dict:
+    """One row: XLA's per-GPU temp and arguments, and the peak's attribution."""
+    t0 = time.time()
+    compiled, state = compile_fsdp(build(cfg), make_mesh("1x1x8"))
+    memory = compiled.memory_analysis()
+    sizes = {int(np.prod(x.shape)) for x in jax.tree.leaves(state[0])}
+    sizes |= {s // DEVICES for s in sizes if s % DEVICES == 0}
+    peak, buffers = peak_buffers(compiled.as_text())
+    by_category = attribute(buffers, lm_category(cfg, sizes))
+    print(f"[memory-switches] {name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return {
+        "row": name,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "walk_peak_bytes": int(peak),
+        "by_category": by_category,
+    }
+
+
+def char_lm(quick: bool, seeds: int) -> dict:
+    """Validation bits/byte of the char-LM example, bf16, with and without fp8 saved inputs."""
+    from benchmarks.memory_convergence import QUICK_CHAR_LM
+    from examples.train_char_lm import CharLMConfig, load_corpus, make_train_fns, train
+
+    corpus = load_corpus(200_000 if quick else 2_000_000)
+    sizes = QUICK_CHAR_LM if quick else {}
+    out = {}
+    for label, saved in (("bf16", None), ("bf16 + fp8 saved activations", E4M3)):
+        config = CharLMConfig(precision="bf16", saved_activations=saved, **sizes)
+        fns = make_train_fns(config)
+        runs = [train(config, s, corpus=corpus, fns=fns).metric for s in range(seeds)]
+        out[label] = {"bits_per_byte": runs, "mean": float(np.mean(runs))}
+        print(f"[memory-switches] char-LM {label}: {runs}", file=sys.stderr, flush=True)
+    ref, fp8 = (v["mean"] for v in out.values())
+    flags = " --saved-activations float8_e4m3fn"
+    return {
+        "runs": out,
+        "ratio": fp8 / ref,
+        "steps": CharLMConfig(**sizes).steps,
+        "seeds": seeds,
+        "command": f"python examples/train_char_lm.py --precisions bf16 --seeds {seeds}[{flags}]",
+    }
+
+
+def _gib(x: float) -> float:
+    return round(x / GIB, 3)
+
+
+def table(results: list[dict], anchors: dict) -> tuple[list, list]:
+    """Columns and rows of the per-GPU memory table (GiB; ratios to each anchor)."""
+    columns = ["step", "temp GiB", "args GiB", "temp + args GiB"]
+    columns += [f"vs {a.split(': ', 1)[1]}" for a in ANCHORS]
+    columns += list(CATEGORIES)
+    out = []
+    for r in results:
+        if r.get("missing"):
+            out.append([r["row"], "not on this branch", *["-"] * (len(columns) - 2)])
+            continue
+        total = r["temp_bytes"] + r["argument_bytes"]
+        ratios = [
+            round(total / (a["temp_bytes"] + a["argument_bytes"]), 3) if a else "-"
+            for a in anchors.values()
+        ]
+        cats = [_gib(r["by_category"].get(c, 0)) for c in CATEGORIES]
+        out.append(
+            [
+                r["row"],
+                _gib(r["temp_bytes"]),
+                _gib(r["argument_bytes"]),
+                _gib(total),
+                *ratios,
+                *cats,
+            ]
+        )
+    return columns, out
+
+
+def compile_rows(quick: bool, only: tuple[str, ...] = ()) -> dict:
+    """Every row (or those named in `only`) compiled and measured (needs the CUDA plugin)."""
+    t0 = time.time()
+    cfg = config(quick)
+    results = []
+    for name, build in rows().items():
+        if only and name not in only:
+            continue
+        missing = {"row": name, "missing": True}
+        results.append(missing if build is None else measure(name, build, cfg))
+    anchors = {
+        a: next((r for r in results if r["row"] == a and not r.get("missing")), None)
+        for a in ANCHORS
+    }
+    columns, table_rows = table(results, anchors)
+    return {
+        "title": "Per-GPU memory of the GPT-2-small FSDP step, by switch"
+        + (" (quick sizes)" if quick else ""),
+        "columns": columns,
+        "rows": table_rows,
+        "details": results,
+        "config": cfg,
+        "notes": (
+            f"jax {jax.__version__}; 8 deviceless H100s (1x1x8), one FSDP axis, state split "
+            "along each leaf's largest dimension divisible by 8, batch split, state donated; "
+            f"sizes {cfg} (batch: global). temp/args: XLA's buffer assignment per GPU; the "
+            "categories: buffers live at the peak of a liveness walk of the optimized HLO "
+            "(an upper estimate of temp: no buffer packing), by shape."
+        ),
+        "seconds": round(time.time() - t0),
+    }
+
+
+def _start_gpu_aot(quick: bool, out: Path) -> subprocess.Popen:
+    """Starts this script's compile part under `$MPJAX_GPU_AOT_PYTHON` (no char-LM)."""
+    python = os.environ.get(ENV_PYTHON)
+    if not python:
+        raise SystemExit(f"memory_switches: set {ENV_PYTHON} (deviceless CUDA compile)")
+    cmd = [python, __file__, "--no-char-lm", "--json", str(out), *(["--quick"] if quick else [])]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def run(quick: bool = False, char_lm_seeds: int = 1) -> dict:
+    """Every row, and the char-LM convergence row (the `benchmarks/run.py` entry).
+
+    Under a python without the CUDA plugin, the rows compile under `$MPJAX_GPU_AOT_PYTHON`
+    while the char-LM trains here (the gpu-aot environment has no example dependencies).
+    """
+    if plugin_available():
+        result = compile_rows(quick)
+        result["char_lm"] = char_lm(quick, char_lm_seeds) if char_lm_seeds else None
+        return result
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        proc = _start_gpu_aot(quick, out)
+        lm = char_lm(quick, char_lm_seeds) if char_lm_seeds else None
+        _, err = proc.communicate()
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"compile part exited with {proc.returncode}: {err[-2000:]!r}")
+        result = json.loads(out.read_text())
+    result["char_lm"] = lm
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--char-lm-seeds", type=int, default=2, help="seeds per char-LM mode")
+    parser.add_argument("--no-char-lm", action="store_true", help="skip the char-LM runs")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument("--rows", default="", help="only these rows (';'-separated; gpu-aot)")
+    args = parser.parse_args(argv)
+    seeds = 0 if args.no_char_lm else args.char_lm_seeds
+    if args.rows:
+        only = tuple(r.strip() for r in args.rows.split(";") if r.strip())
+        return emit(compile_rows(args.quick, only), args.json)
+    return emit(run(args.quick, seeds), args.json)
+
+
+if __name__ == "__main__":
+    main()
