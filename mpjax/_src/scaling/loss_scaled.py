@@ -213,10 +213,14 @@ def _take_step(step_in, state, params, scale, unscale_in_step, extra_args, confi
 
 
 def _skip_step(state, params):
-    """Skip step: updates that leave every param bit-identical, and the state unchanged."""
+    """Skip step: updates that leave every param bit-identical, and the state unchanged.
+
+    Each update is typed like its param: its sharding (Explicit mesh axes) and the manual
+    axes it varies over (in `jax.shard_map`) too, so it matches the taken step's update.
+    """
     updates = jax.tree.map(
         lambda p: (
-            jnp.full(p.shape, -0.0, _wide_dtype(p.dtype)) if _is_floating(p) else jnp.zeros_like(p)
+            jnp.full_like(p, -0.0, _wide_dtype(p.dtype)) if _is_floating(p) else jnp.zeros_like(p)
         ),
         params,
     )
