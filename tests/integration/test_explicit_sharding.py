@@ -156,8 +156,8 @@ DELAYED = Fp8Recipe(scaling="delayed", min_dim=16)
 
 @pytest.mark.parametrize(
     ("kind", "fp8"),
-    [("explicit", None), ("explicit", DELAYED), ("auto", DELAYED)],
-    ids=["explicit-bf16", "explicit-delayed_fp8", "auto-delayed_fp8"],
+    [("explicit", DELAYED), ("auto", DELAYED)],
+    ids=["explicit-delayed_fp8", "auto-delayed_fp8"],
 )
 def test_linen_apply_policy_on_sharded_params_matches_unsharded(kind, fp8):
     model = mpjax.apply_policy(_LinenMLP(), BF16, fp8=fp8)

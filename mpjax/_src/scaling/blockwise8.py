@@ -15,11 +15,12 @@ probability proportional to the distance, so unbiased: `E[dequantize(quantize(x)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["CODEBOOK", "Blockwise8", "codebook", "dequantize", "quantize"]
 
@@ -53,6 +54,19 @@ class Blockwise8(NamedTuple):
 
     codes: jax.Array
     scales: jax.Array
+
+
+def _gathered(x: jax.Array) -> tuple[jax.Array, Any]:
+    """`x` replicated, and its sharding, when its type is sharded over Explicit mesh axes.
+
+    Blocks run over the flattened array, across shards: the leaf is gathered for its
+    quantisation (one leaf at a time) and the codes are given its sharding back, so the
+    stored state stays sharded and the codes equal the unsharded run's. Else `(x, None)`.
+    """
+    sharding = jax.typeof(x).sharding
+    if sharding is None or sharding.mesh.empty or all(p is None for p in sharding.spec):
+        return x, None
+    return jax.sharding.reshard(x, sharding.update(spec=P())), sharding
 
 
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
@@ -90,6 +104,7 @@ def quantize(x: jax.Array, block_size: int = 256, seed: jax.Array | None = None)
     """
     from mpjax._src.scaling.low_precision import _random_bits16
 
+    x, sharding = _gathered(x)
     blocks = _blocks(x.astype(jnp.float32), block_size)
     absmax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
     scales = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
@@ -105,7 +120,9 @@ def quantize(x: jax.Array, block_size: int = 256, seed: jax.Array | None = None)
         up = u < frac
     index = (lo + up.astype(lo.dtype)).astype(jnp.int8)
     codes = jnp.where(jnp.signbit(blocks), -index, index).astype(jnp.int8)
-    return Blockwise8(_unblock(codes, x.shape), scales[:, 0])
+    codes = _unblock(codes, x.shape)
+    codes = codes if sharding is None else jax.sharding.reshard(codes, sharding)
+    return Blockwise8(codes, scales[:, 0])
 
 
 def dequantize(q: Blockwise8, shape: tuple[int, ...], block_size: int = 256) -> jax.Array:
@@ -119,7 +136,8 @@ def dequantize(q: Blockwise8, shape: tuple[int, ...], block_size: int = 256) -> 
     Returns:
       A float32 array of `shape`.
     """
-    codes = _blocks(q.codes, block_size).astype(jnp.int32)
+    codes, sharding = _gathered(q.codes)
+    codes = _blocks(codes, block_size).astype(jnp.int32)
     mags = jnp.asarray(CODEBOOK)[jnp.abs(codes)]
-    values = jnp.where(codes < 0, -mags, mags) * q.scales[:, None]
-    return _unblock(values, shape)
+    values = _unblock(jnp.where(codes < 0, -mags, mags) * q.scales[:, None], shape)
+    return values if sharding is None else jax.sharding.reshard(values, sharding)

@@ -24,13 +24,14 @@ __all__ = [
 def _unwrap(x: Any) -> Any:
     """Unwraps a flax.nnx Variable (nnx.Optimizer stores opt_state leaves in them).
 
-    Recognised by its protocol (`get_value`), so this layer does not import Flax.
+    Recognised by its protocol (a `get_value` method of its class), so this layer does not
+    import Flax. Looked up on the class: a container whose `__getattr__` is `__getitem__`
+    (the JAX training cookbook's `dot_dict`) raises KeyError for a missing attribute.
     """
     if isinstance(x, jax.Array | np.ndarray | np.generic):
         return x
-    get_value = getattr(x, "get_value", None)
-    if callable(get_value):
-        return get_value()
+    if callable(getattr(type(x), "get_value", None)):
+        return x.get_value()
     if type(x).__module__.startswith("flax.nnx") and hasattr(x, "value"):
         return x.value  # flax versions whose Variables have no get_value
     return x
