@@ -127,3 +127,11 @@ def test_shard_map_check_vma_every_device_skips_and_matches_unsharded():
     mapped = jax.shard_map(train, in_specs=specs, out_specs=out_specs, check_vma=True)
     got = on_mesh(mapped, "explicit", _args("auto"), specs)
     _assert_matches(got, _unsharded("auto"), f"shard_map/{impl}")
+
+
+def test_axis_name_outside_shard_map_names_the_argument_and_the_fix():
+    """The misuse of docs/guides/errors.md: `axis_name` in a global (jit) step."""
+    tx = mpjax.loss_scaled(optax.sgd(0.1), axis_name="data")
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(NameError, match=r"axis_name='data' is not bound.*without axis_name"):
+        tx.update(params, tx.init(params), params)

@@ -108,6 +108,20 @@ class _StepConfig(NamedTuple):
     axis_name: str | tuple[str, ...] | None
 
 
+def _on_every_device(flag: jax.Array, axis_name) -> jax.Array:
+    """`flag` AND-ed over the devices of `axis_name` (a `pmin`); a clear error where the axis
+    is not bound (the update called under plain `jax.jit`, not inside `shard_map`/`pmap`)."""
+    try:
+        return jax.lax.pmin(flag.astype(jnp.int32), axis_name) > 0
+    except NameError as e:
+        raise NameError(
+            f"loss_scaled: axis_name={axis_name!r} is not bound where update runs ({e}). "
+            "Call update inside jax.shard_map / jax.pmap over that axis, or build loss_scaled "
+            "without axis_name for a global step under jax.jit (sharded params, Explicit or "
+            "Auto mesh axes): its finite check already sees every gradient."
+        ) from e
+
+
 def _check_grads(grads, scale, checks, lazy_unscale, unscale_and_check, impl, axis_name):
     """Check: (the gradients the step reads, whether they are all finite, a scalar bool).
 
@@ -125,7 +139,7 @@ def _check_grads(grads, scale, checks, lazy_unscale, unscale_and_check, impl, ax
         step_in, grads_finite = unscale_and_check(grads, scale)
     grads_finite = jnp.asarray(grads_finite, jnp.bool_)
     if axis_name is not None:
-        grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
+        grads_finite = _on_every_device(grads_finite, axis_name)
     return step_in, grads_finite
 
 
@@ -162,7 +176,7 @@ def _new_values_ok(targets, config: _StepConfig):
         return None
     ok = all_finite(checked)
     if config.axis_name is not None:
-        ok = jax.lax.pmin(ok.astype(jnp.int32), config.axis_name) > 0
+        ok = _on_every_device(ok, config.axis_name)
     return ok
 
 
