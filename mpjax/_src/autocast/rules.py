@@ -86,7 +86,17 @@ def widest(dtypes: Sequence[Any]) -> np.dtype:
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), dtype_of(x))
+    """The type a value is re-traced with: its shape, dtype, sharding and varying axes.
+
+    The sharding (Explicit mesh axes) and the manual axes it varies over (inside
+    `jax.shard_map(check_vma=True)`) are part of JAX's type: a sub-jaxpr re-traced without
+    them would disagree with the values it is called on. Not weak-typed: the rewrite chose
+    the dtype.
+    """
+    like = jax.ShapeDtypeStruct.like(x)
+    return jax.ShapeDtypeStruct(
+        like.shape, dtype_of(x), sharding=like.sharding, manual_axis_type=like.manual_axis_type
+    )
 
 
 def _jit(evaluate, ctx, eqn, vals, origins):
@@ -134,10 +144,13 @@ def _custom_jvp(evaluate, ctx, eqn, vals, origins):
         out_primals, out_nonzero = outs[: len(out_zeros)], iter(outs[len(out_zeros) :])
         out_primals = [cast(o, s.dtype) for o, s in zip(out_primals, out_structs, strict=True)]
         out_tangents = []
-        for s, z in zip(out_structs, out_zeros, strict=True):
+        for p, s, z in zip(out_primals, out_structs, out_zeros, strict=True):
             if z or not is_float(s.dtype):
-                tangent_dtype = s.dtype if is_float(s.dtype) else jax.dtypes.float0
-                out_tangents.append(np.zeros(s.shape, tangent_dtype))
+                # A float zero tangent has its primal's type, sharding and varying axes.
+                zero = (
+                    jnp.zeros_like(p) if is_float(s.dtype) else np.zeros(s.shape, jax.dtypes.float0)
+                )
+                out_tangents.append(zero)
                 if not z:
                     next(out_nonzero)
             else:

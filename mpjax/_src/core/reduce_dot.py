@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from mpjax._src.core.sharding import transposed_sharding
+
 __all__ = ["reduce_dot_general"]
 
 
@@ -43,10 +45,18 @@ def _transpose_lhs(g, x, y, dims, precision, out_dtype, swap=False):
     else:
         ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
     g_dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
-    out = lax.dot_general(g, y, g_dims, precision=precision, preferred_element_type=out_dtype)
     contract_by_y = list(np.take(x_contract, np.argsort(y_contract)))
     order = list(x_batch) + x_kept + contract_by_y
-    return lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
+    out_axes = tuple(int(i) for i in np.argsort(order))
+    out = lax.dot_general(
+        g,
+        y,
+        g_dims,
+        precision=precision,
+        preferred_element_type=out_dtype,
+        out_sharding=transposed_sharding(x, out_axes),
+    )
+    return lax.transpose(out, out_axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax._src.core.sharding import transposed_sharding
 from mpjax._src.fp8.dot import scaled_gemm
 from mpjax._src.fp8.layouts import grad_lhs_layout, grad_rhs_layout
 from mpjax._src.fp8.quant import compute_scale, fp8_max, quantize
@@ -112,12 +113,16 @@ def delayed_fp8_dot_general(
         qa, qb, s, (amax_a, amax_b), hi = saved
         qg = _quantize_keep_inf(g, s[2], bwd_t)
         gdims, perm = grad_lhs_layout(dims, a_ndim, b_ndim)
-        da = jnp.transpose(scaled_gemm(qg, s[2], qb, s[1], gdims, compute), perm)
+        a_sharding = transposed_sharding(qa, perm)
+        da = jnp.transpose(scaled_gemm(qg, s[2], qb, s[1], gdims, compute, a_sharding), perm)
         gdims, perm = grad_rhs_layout(dims, a_ndim, b_ndim)
+        b_sharding = transposed_sharding(qb, perm)
         if hi is not None:
-            db = lax.dot_general(hi.astype(compute), g.astype(compute), gdims)
+            db = lax.dot_general(
+                hi.astype(compute), g.astype(compute), gdims, out_sharding=b_sharding
+            )
         else:
-            db = scaled_gemm(qa, s[0], qg, s[2], gdims, compute)
+            db = scaled_gemm(qa, s[0], qg, s[2], gdims, compute, b_sharding)
         db = jnp.transpose(db, perm)
         seen = reduce(jnp.stack([amax_a, amax_b, _amax(g)]))
         return da.astype(a_dtype), db.astype(b_dtype), seen

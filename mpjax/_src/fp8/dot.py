@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax._src.core.sharding import transposed_sharding
 from mpjax._src.fp8.block_dot import block_scaled_dot_general
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.layouts import free_axes, grad_lhs_layout, grad_rhs_layout
@@ -73,13 +74,16 @@ def _to_out(scale, ndim, contract, batch, positions, out_shape):
     return lax.broadcast_in_dim(kept, out_shape, tuple(positions))
 
 
-def scaled_gemm(qa, sa, qb, sb, dims, out_dtype):
-    """`dot_general(qa, qb) / (sa * sb)` with fp8 operands, returned in `out_dtype`."""
+def scaled_gemm(qa, sa, qb, sb, dims, out_dtype, out_sharding=None):
+    """`dot_general(qa, qb) / (sa * sb)` with fp8 operands, returned in `out_dtype`.
+
+    `out_sharding` is the GEMM's (a backward GEMM's: see `transposed_sharding`).
+    """
     (lc, rc), (lb, rb) = dims
     # The unscaled product reaches 448 * 448 * K: float16 would overflow before the rescale
     # (bf16 has float32's range), so a float16 result accumulates in float32.
     wide = jnp.float32 if np.dtype(out_dtype) == np.float16 else out_dtype
-    out = lax.dot_general(qa, qb, dims, preferred_element_type=wide)
+    out = lax.dot_general(qa, qb, dims, preferred_element_type=wide, out_sharding=out_sharding)
     nb, nl = len(lb), len(_free(qa.ndim, lc, lb))
     nr = out.ndim - nb - nl
     inv_a = _to_out(1 / sa, qa.ndim, lc, lb, [*range(nb), *range(nb, nb + nl)], out.shape)
@@ -152,21 +156,27 @@ def fp8_dot_general(
             a, b = saved
             a_dtype, b_dtype = a.dtype, b.dtype
         # d lhs = g . rhs (contract g's rhs-free axes with rhs's free axes)
+        # the saved operands (fp8 or not) are sharded like lhs and rhs
+        a_like, b_like = (saved[0], saved[2]) if tensorwise else saved
         gdims, perm = grad_lhs_layout(dims, len(a_shape), len(b_shape))
+        a_sharding = transposed_sharding(a_like, perm)
         qg, sg = _quantize(g, gdims[0][0], bwd_t, recipe)
         if not tensorwise:
             qb, sb = _quantize(b, gdims[0][1], fwd_t, recipe)
-        da = jnp.transpose(scaled_gemm(qg, sg, qb, sb, gdims, compute), perm)
+        da = jnp.transpose(scaled_gemm(qg, sg, qb, sb, gdims, compute, a_sharding), perm)
         # d rhs = lhs . g (contract lhs's free axes with g's lhs-free axes)
         gdims, perm = grad_rhs_layout(dims, len(a_shape), len(b_shape))
+        b_sharding = transposed_sharding(b_like, perm)
         if recipe.high_precision_grad_weight:
             a_hi = saved[-1] if tensorwise else a
-            db = lax.dot_general(a_hi.astype(compute), g.astype(compute), gdims)
+            db = lax.dot_general(
+                a_hi.astype(compute), g.astype(compute), gdims, out_sharding=b_sharding
+            )
         else:
             if not tensorwise:
                 qa, sa = _quantize(a, gdims[0][0], fwd_t, recipe)
                 qg, sg = _quantize(g, gdims[0][1], bwd_t, recipe)
-            db = scaled_gemm(qa, sa, qg, sg, gdims, compute)
+            db = scaled_gemm(qa, sa, qg, sg, gdims, compute, b_sharding)
         db = jnp.transpose(db, perm)
         return da.astype(a_dtype), db.astype(b_dtype), None
 

@@ -5,7 +5,9 @@ every operand onto every device and run the whole kernel there. `per_shard` wrap
 elementwise-and-flag kernel in `custom_partitioning`: the partitioner hands each device its
 shards (in the shardings the operands already have), the kernel runs on them, and the one
 cross-device value is the finiteness flag, combined with a scalar `pmin` over the mesh axes
-the operands are split on. On one device the kernel runs as it is.
+the operands are split on. Operands whose types are sharded over Explicit mesh axes run under
+`jax.shard_map` instead (the same shards, the same `pmin`). On one device the kernel runs as
+it is.
 
 `per_row_shard` does the same for the channel kernels of a channels-last tensor (BatchNorm
 statistics, the conv epilogue): each device runs them on its rows (data parallelism splits the
@@ -70,6 +72,9 @@ def per_shard(
     """
     if not leaves:
         return kernel(leaves, scale)
+    explicit = _explicit_specs(leaves)
+    if explicit is not None:
+        return _per_explicit_shard(kernel, leaves, scale, *explicit, write=write)
 
     def body(scale, *xs):
         outs, flag = kernel(list(xs), scale)
@@ -88,6 +93,38 @@ def per_shard(
         return out, tuple(True for _ in out)
 
     *outs, flag = run(scale, *leaves)
+    return list(outs), flag
+
+
+def _explicit_specs(leaves: list):
+    """`(mesh, specs)` when the leaves' types are sharded over Explicit mesh axes, else None.
+
+    Under Explicit axes a sharding is part of the type, known while tracing: the kernel
+    runs under `jax.shard_map` (custom_partitioning's body would be traced on the global,
+    sharded types, whose reshapes need their result's sharding spelled out).
+    """
+    shardings = [jax.typeof(x).sharding for x in leaves]
+    if not any(s is not None and not s.mesh.empty and _axes([s]) for s in shardings):
+        return None
+    return shardings[0].mesh, [s.spec for s in shardings]
+
+
+def _per_explicit_shard(kernel, leaves: list, scale, mesh, specs: list, *, write: bool):
+    """`kernel` on each device's shards under `jax.shard_map`; the flag AND-ed with `pmin`."""
+    axes = _axes([NamedSharding(mesh, s) for s in specs])
+
+    def local(scale, *xs):
+        outs, flag = kernel(list(xs), scale)
+        return (*outs, jax.lax.pmin(flag.astype(jnp.int32), axes) > 0)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), *specs),
+        out_specs=(*(specs if write else ()), P()),
+        axis_names=set(axes),
+    )
+    *outs, flag = mapped(scale, *leaves)
     return list(outs), flag
 
 

@@ -104,6 +104,20 @@ class _StepConfig(NamedTuple):
     axis_name: str | tuple[str, ...] | None
 
 
+def _on_every_device(flag: jax.Array, axis_name) -> jax.Array:
+    """`flag` AND-ed over the devices of `axis_name` (a `pmin`); a clear error where the axis
+    is not bound (the update called under plain `jax.jit`, not inside `shard_map`/`pmap`)."""
+    try:
+        return jax.lax.pmin(flag.astype(jnp.int32), axis_name) > 0
+    except NameError as e:
+        raise NameError(
+            f"loss_scaled: axis_name={axis_name!r} is not bound where update runs ({e}). "
+            "Call update inside jax.shard_map / jax.pmap over that axis, or build loss_scaled "
+            "without axis_name for a global step under jax.jit (sharded params, Explicit or "
+            "Auto mesh axes): its finite check already sees every gradient."
+        ) from e
+
+
 def _check_grads(grads, scale, checks, lazy_unscale, unscale_and_check, impl, axis_name):
     """Check: (the gradients the step reads, whether they are all finite, a scalar bool).
 
@@ -121,7 +135,7 @@ def _check_grads(grads, scale, checks, lazy_unscale, unscale_and_check, impl, ax
         step_in, grads_finite = unscale_and_check(grads, scale)
     grads_finite = jnp.asarray(grads_finite, jnp.bool_)
     if axis_name is not None:
-        grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis_name) > 0
+        grads_finite = _on_every_device(grads_finite, axis_name)
     return step_in, grads_finite
 
 
@@ -158,7 +172,7 @@ def _new_values_ok(targets, config: _StepConfig):
         return None
     ok = all_finite(checked)
     if config.axis_name is not None:
-        ok = jax.lax.pmin(ok.astype(jnp.int32), config.axis_name) > 0
+        ok = _on_every_device(ok, config.axis_name)
     return ok
 
 
@@ -210,10 +224,14 @@ def _take_step(step_in, state, params, scale, unscale_in_step, extra_args, confi
 
 
 def _skip_step(state, params):
-    """Skip step: updates that leave every param bit-identical, and the state unchanged."""
+    """Skip step: updates that leave every param bit-identical, and the state unchanged.
+
+    Each update is typed like its param: its sharding (Explicit mesh axes) and the manual
+    axes it varies over (in `jax.shard_map`) too, so it matches the taken step's update.
+    """
     updates = jax.tree.map(
         lambda p: (
-            jnp.full(p.shape, -0.0, _wide_dtype(p.dtype)) if _is_floating(p) else jnp.zeros_like(p)
+            jnp.full_like(p, -0.0, _wide_dtype(p.dtype)) if _is_floating(p) else jnp.zeros_like(p)
         ),
         params,
     )
