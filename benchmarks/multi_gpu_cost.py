@@ -72,7 +72,7 @@ from mpjax._src.analysis.collectives import (  # noqa: E402
     link_seconds,
     summary,
 )
-from mpjax._src.analysis.target import h100_topology  # noqa: E402
+from mpjax._src.analysis.target import h100_topology, target_cudnn  # noqa: E402
 
 REQUIRES_GPU = False
 TITLE = "Multi-GPU cost model: train steps on 8 deviceless H100s, vs hand-written bf16"
@@ -132,6 +132,8 @@ def _bf16_params(master_weights: str):
 
 VARIANTS = {
     "bf16": LM_VARIANTS["bf16"],
+    "bf16-xla": LM_VARIANTS["bf16-xla"],
+    "autocast": LM_VARIANTS["autocast"],
     "policy-noop-scaled": _scaled(
         lambda c: mpjax.apply_policy(_lm(c), ONE_STRING), mpjax.NoOpLossScale()
     ),
@@ -221,7 +223,8 @@ def compile_fsdp(program, mesh: Mesh, split: str = "fsdp"):
     )
     out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
     step = jax.jit(program.step, out_shardings=out, donate_argnums=0)
-    return step.trace(state, batch).lower().compile(), state
+    with target_cudnn():
+        return step.trace(state, batch).lower().compile(), state
 
 
 def _param_count(state) -> int:
