@@ -44,9 +44,11 @@ def hand_written(q, k, v, bias, mask):
 
 
 def test_autocast_attention_is_the_hand_written_compute_dtype_attention(inputs):
-    ours = mpjax.autocast(attention, "params=float32,compute=bfloat16,output=float32")(*inputs)
+    ours = jax.jit(mpjax.autocast(attention, "params=float32,compute=bfloat16,output=float32"))(
+        *inputs
+    )
     # Bit for bit (before: the logits GEMM rounded to bfloat16, up to 2^-7 apart).
-    np.testing.assert_array_equal(ours, hand_written(*inputs).astype(jnp.float32))
+    np.testing.assert_array_equal(ours, jax.jit(hand_written)(*inputs).astype(jnp.float32))
     assert tree_rel_err(ours, reference64(*inputs)) < 2e-2
 
 
@@ -54,15 +56,17 @@ def test_autocast_attention_gradients_are_the_hand_written_ones(inputs):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v, *inputs[3:]).astype(jnp.float32) ** 2)
 
-    ours = jax.grad(loss(mpjax.autocast(attention)), argnums=(0, 1, 2))(*inputs[:3])
-    hand = jax.grad(loss(hand_written), argnums=(0, 1, 2))(*inputs[:3])
+    ours = jax.jit(jax.grad(loss(mpjax.autocast(attention)), argnums=(0, 1, 2)))(*inputs[:3])
+    hand = jax.jit(jax.grad(loss(hand_written), argnums=(0, 1, 2)))(*inputs[:3])
     for a, b in zip(ours, hand, strict=True):
         assert a.dtype == jnp.float32
         np.testing.assert_array_equal(a, b)
 
 
 def test_attention_outside_autocast_and_in_a_float32_autocast_is_untouched(inputs):
-    plain = attention(*inputs)
+    plain = jax.jit(attention)(*inputs)
     assert plain.dtype == jnp.float32
-    f32 = mpjax.autocast(attention, "params=float32,compute=float32,output=float32")(*inputs)
+    f32 = jax.jit(mpjax.autocast(attention, "params=float32,compute=float32,output=float32"))(
+        *inputs
+    )
     np.testing.assert_array_equal(f32, plain)
