@@ -70,3 +70,12 @@ def test_attention_outside_autocast_and_in_a_float32_autocast_is_untouched(input
         *inputs
     )
     np.testing.assert_array_equal(f32, plain)
+
+
+def test_a_function_jitted_inside_autocast_is_traced_again_outside_it(inputs):
+    # Before: jax.jit's cache handed back the bfloat16 trace (result bfloat16, rounded).
+    jitted = jax.jit(attention)
+    mpjax.autocast(lambda *a: jitted(*a))(*inputs)
+    after = jitted(*inputs)
+    assert after.dtype == jnp.float32
+    np.testing.assert_array_equal(after, jax.jit(lambda *a: attention(*a))(*inputs))

@@ -32,8 +32,22 @@ BY_LENGTHS = ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
 
 
 @pytest.fixture(scope="module")
-def hlo(tmp_path_factory):
+def figures(tmp_path_factory):
     return _run_json("tests/flax/_attention_hlo.py", tmp=tmp_path_factory.mktemp("attention"))
+
+
+@pytest.fixture
+def hlo(figures):
+    """The figures by program; reading a program that did not compile fails with its error."""
+
+    class Programs(dict):
+        def __getitem__(self, name):
+            found = dict.__getitem__(self, name)
+            if "error" in found:
+                pytest.fail(f"program {name!r} did not compile: {found['error']}")
+            return found
+
+    return Programs(figures)
 
 
 @pytest.mark.parametrize("api", ["nnx", "linen"])

@@ -14,17 +14,26 @@ and one backward with `implementation="cudnn"` (the kernel keeps its softmax sta
 float32), JAX's XLA form with float32 logits and softmax otherwise. The result is in the
 compute dtype, as torch's.
 
-JAX has no hook for this, so `install()` replaces the two module attributes through which the
-call is made (`jax.nn.dot_product_attention`, and the cuDNN entry point that
-`jax.nn.dot_product_attention` looks up, which catches callers holding their own reference to
-it) by wrappers that, outside an autocast trace, call the originals unchanged.
+JAX has no hook for this, so importing mpjax replaces the two module attributes through
+which the call is made (`jax.nn.dot_product_attention`, and the cuDNN entry point that
+`jax.nn.dot_product_attention` looks up at each call, which also catches callers holding
+their own reference to it with `implementation="cudnn"`) by wrappers that, outside an
+autocast trace, call the originals unchanged. A rewrite of the traced jaxpr cannot do this:
+`implementation="cudnn"` raises on float32 before any jaxpr exists, and the XLA form leaves
+no trace of being one attention call. Limits (docs/guides/autocast.md): a reference to the
+original `jax.nn.dot_product_attention` taken before mpjax was imported, called with
+`implementation=None`/`"xla"`, is not intercepted (autocast then rewrites its XLA form op by
+op: correct, not fused); a JAX without the internal cuDNN entry point gets only the public
+wrapper. The compute dtype in force is a `jax.make_user_context`, part of `jax.jit`'s cache
+key: a jitted function traced inside an autocast is traced again outside it, never reused
+with its compute-dtype casts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,13 +48,15 @@ from mpjax._src.autocast.rules import cast, dtype_of, is_float
 
 __all__ = ["attention_dtype", "attention_in", "install"]
 
-# The compute dtype of the autocast tracing now (None outside autocast's trace).
-_COMPUTE: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "mpjax_autocast_attention_dtype", default=None
-)
+# The name of the compute dtype of the autocast tracing now (None outside autocast's trace):
+# a jit-cache key, so that a function traced under autocast is not reused outside it.
+_COMPUTE = jax.make_user_context(None)
 _NARROW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_ORIGINAL_NN = jax.nn.dot_product_attention
+# JAX's own functions (a reloaded module finds its wrapper installed: the original is inside).
+_ORIGINAL_NN = getattr(jax.nn.dot_product_attention, "mpjax_original", jax.nn.dot_product_attention)
 _ORIGINAL_CUDNN = _cudnn.dot_product_attention
+_CUDNN_ENTRY = "cudnn_dot_product_attention"  # the name jax.nn's implementation calls
+_INSTALL = threading.Lock()
 
 
 def attention_dtype(query_dtype: Any) -> Any:
@@ -54,24 +65,20 @@ def attention_dtype(query_dtype: Any) -> Any:
     Not None only while an autocast with a bfloat16/float16 compute dtype traces and
     `query_dtype` is a wider floating dtype.
     """
-    dtype = _COMPUTE.get()
+    dtype = _COMPUTE.value
     if dtype is None or not is_float(query_dtype):
         return None
     if np.dtype(query_dtype) in _NARROW or jnp.finfo(query_dtype).bits > 32:
         return None
-    return dtype
+    return np.dtype(dtype)
 
 
 @contextlib.contextmanager
 def attention_in(compute_dtype: Any) -> Iterator[None]:
     """Runs attention calls traced inside in `compute_dtype` (when bfloat16 or float16)."""
-    install()
     dtype = np.dtype(compute_dtype)
-    token = _COMPUTE.set(dtype if dtype in _NARROW else None)
-    try:
+    with _COMPUTE(dtype.name if dtype in _NARROW else None):
         yield
-    finally:
-        _COMPUTE.reset(token)
 
 
 def _in_compute_dtype(original):
@@ -85,12 +92,9 @@ def _in_compute_dtype(original):
         query, key, value, bias = (
             None if x is None else cast(jnp.asarray(x), dtype) for x in (query, key, value, bias)
         )
-        token = _COMPUTE.set(None)  # the original's own calls are not re-intercepted
-        try:
-            with jax.named_scope(REGION_SCOPE):
-                return original(query, key, value, bias, *args, **kwargs)
-        finally:
-            _COMPUTE.reset(token)
+        # The original's own call of the cuDNN entry point is not intercepted again.
+        with _COMPUTE(None), jax.named_scope(REGION_SCOPE):
+            return original(query, key, value, bias, *args, **kwargs)
 
     wrapper.mpjax_original = original
     return wrapper
@@ -103,9 +107,16 @@ _CUDNN_WRAPPER = _in_compute_dtype(_ORIGINAL_CUDNN)
 def install() -> None:
     """Routes `jax.nn.dot_product_attention` (and its cuDNN entry) through the wrappers.
 
-    Idempotent; outside an autocast trace the wrappers call the originals unchanged.
+    Called when mpjax is imported. Idempotent and thread-safe; an attribute that is neither
+    JAX's original nor our wrapper (someone else's patch) is left alone, as is a JAX
+    without the internal cuDNN entry point. Outside an autocast trace the wrappers call the
+    originals unchanged.
     """
-    if jax.nn.dot_product_attention is _ORIGINAL_NN:
-        jax.nn.dot_product_attention = _NN_WRAPPER
-    if _functions.cudnn_dot_product_attention is _ORIGINAL_CUDNN:
-        _functions.cudnn_dot_product_attention = _CUDNN_WRAPPER
+    with _INSTALL:
+        if jax.nn.dot_product_attention is _ORIGINAL_NN:
+            jax.nn.dot_product_attention = _NN_WRAPPER
+        if getattr(_functions, _CUDNN_ENTRY, None) is _ORIGINAL_CUDNN:
+            setattr(_functions, _CUDNN_ENTRY, _CUDNN_WRAPPER)
+
+
+install()
