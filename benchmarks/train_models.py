@@ -8,7 +8,9 @@ its `gpu` target times them on a real GPU, so both measure the same programs.
 ResNet follows Flax's ImageNet example (ResNet v1.5, NHWC, BatchNorm momentum 0.9, last BN of
 each block zero-initialised); the LM is a pre-LayerNorm decoder (learned positions, GELU MLP,
 causal + padding attention mask, untied head). The classifier / LM head is the submodule
-named `head` (per-module policy rules select it by that path).
+named `head` (per-module policy rules select it by that path). The LM's `attention_fn` is
+Flax's default (XLA, materialised) unless given, e.g. `cudnn_attention`: what an expert writes,
+`jax.nn.dot_product_attention(..., implementation="cudnn")` (one fused kernel each way).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 
 import mpjax
 
-__all__ = ["LM", "LM_SIZES", "RESNET_SIZES", "ConvBNResNet", "ResNet"]
+__all__ = ["LM", "LM_SIZES", "RESNET_SIZES", "ConvBNResNet", "ResNet", "cudnn_attention"]
 
 RESNET_SIZES = {
     # ResNet-50, ImageNet-shaped, batch 128.
@@ -178,6 +180,24 @@ class ConvBNResNet(nn.Module):
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
 
 
+def cudnn_attention(query, key, value, bias=None, mask=None, **_):
+    """A Flax `attention_fn`: cuDNN's fused attention (fp16/bf16 operands; the mask as its bias).
+
+    Where no cuDNN is found (a CPU smoke run), JAX's default (XLA) implementation instead.
+    """
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+    try:
+        check_cudnn_version()  # the deviceless target declares one (mpjax's target_cudnn)
+        implementation = "cudnn"
+    except RuntimeError:
+        implementation = None
+    mask = None if mask is None else mask.astype(jnp.bool_)
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, implementation=implementation
+    )
+
+
 class DecoderBlock(nn.Module):
     """Pre-LN decoder block: LayerNorm, masked self-attention, LayerNorm, GELU MLP."""
 
@@ -186,12 +206,15 @@ class DecoderBlock(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     dot_general_cls: Any = None  # the block GEMMs' dot_general (Flax fp8_ops anchors)
+    attention_fn: Any = None  # None: Flax's default
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         dot = self.dot_general_cls
         attn_kw = {} if dot is None else {"qkv_dot_general_cls": dot, "out_dot_general_cls": dot}
+        if self.attention_fn is not None:
+            attn_kw["attention_fn"] = self.attention_fn
         dense_kw = {} if dot is None else {"dot_general_cls": dot}
         h = nn.LayerNorm(**kw)(x)
         h = nn.MultiHeadDotProductAttention(num_heads=self.heads, **kw, **attn_kw)(h, h, mask=mask)
@@ -215,6 +238,7 @@ class LM(nn.Module):
     dot_general_cls: Any = None  # passed to every block's GEMMs (not the head)
     head_bias: bool = True
     hidden_only: bool = False  # return the final LayerNorm's output (the head is the loss's)
+    attention_fn: Any = None  # every block's attention (None: Flax's default)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, padding: jax.Array) -> jax.Array:
@@ -228,9 +252,13 @@ class LM(nn.Module):
             nn.make_causal_mask(tokens), nn.make_attention_mask(padding, padding)
         )
         for _ in range(self.layers):
-            x = DecoderBlock(self.heads, self.mlp, **kw, dot_general_cls=self.dot_general_cls)(
-                x, mask
-            )
+            x = DecoderBlock(
+                self.heads,
+                self.mlp,
+                **kw,
+                dot_general_cls=self.dot_general_cls,
+                attention_fn=self.attention_fn,
+            )(x, mask)
         x = nn.LayerNorm(**kw)(x)
         if self.hidden_only:
             return x

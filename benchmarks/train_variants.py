@@ -12,10 +12,14 @@ To add variants in another file (e.g. fp8), write builders with `resnet_program`
 
 The variants (mpjax's own paths against the hand-written anchor):
 - `fp32`: the float32 model;
-- `bf16`: hand-written Flax bf16 (`dtype=bfloat16, param_dtype=float32`): the anchor;
+- `bf16`: hand-written Flax bf16 (`dtype=bfloat16, param_dtype=float32`): the anchor; the
+  LM's is the expert's, its attention `jax.nn.dot_product_attention(implementation="cudnn")`
+  (`train_models.cudnn_attention`); `bf16-xla` (LM): with Flax's default (XLA) attention, the
+  anchor before;
 - `policy`: `apply_policy(model, ONE_STRING)`;
 - `policy-rules`: `apply_policy(model, RULES)` (bf16 outputs inside, float32 at the head);
-- `autocast`: `autocast(model.apply, ONE_STRING)`;
+- `autocast`: `autocast(model.apply, ONE_STRING)` (the LM's float32 model written with the
+  expert's cuDNN attention, as a torch user writes `scaled_dot_product_attention`);
 - `fp16-scaled`: `apply_policy(model, FP16)` + `loss_scaled(tx)` (dynamic) + `scale_loss`;
 - `fp16-bare`: the same without loss scaling (the bare step the loss-scaled one is paid
   against; not a usable training recipe);
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 import mpjax
-from benchmarks.train_models import LM, VOCAB, ConvBNResNet, ResNet
+from benchmarks.train_models import LM, VOCAB, ConvBNResNet, ResNet, cudnn_attention
 from mpjax.nn import linear_cross_entropy
 
 __all__ = [
@@ -268,8 +272,8 @@ def _lm_fused_loss(module_fn):
 
 
 def _lm_autocast(cfg):
-    model = _lm(cfg)
-    return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING), model)
+    model = _lm(cfg, attention_fn=cudnn_attention)
+    return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING), _lm(cfg))
 
 
 def _lm_fp16_scaled(cfg):
@@ -280,7 +284,8 @@ def _lm_fp16_scaled(cfg):
 LM_VARIANTS = MappingProxyType(
     {
         "fp32": _lm_with(_lm),
-        "bf16": _lm_with(lambda c: _lm(c, dtype=BF16)),
+        "bf16": _lm_with(lambda c: _lm(c, dtype=BF16, attention_fn=cudnn_attention)),
+        "bf16-xla": _lm_with(lambda c: _lm(c, dtype=BF16)),
         "policy": _lm_with(lambda c: mpjax.apply_policy(_lm(c), ONE_STRING)),
         "policy-rules": _lm_with(lambda c: mpjax.apply_policy(_lm(c), dict(RULES))),
         "autocast": _lm_autocast,

@@ -10,7 +10,8 @@ FLOPs and time count once per iteration):
   `output fusion`, and kCustom fusions named by their backend kind (`triton gemm`,
   `triton fusion`, `cudnn fusion`, ...);
 - custom calls: `cublas gemm` (`__cublas$gemm`, `__cublas$lt$matmul...`), `cudnn conv`
-  (`__cudnn$conv...`), `pallas/triton call` (`__gpu$xla.gpu.triton`), other targets by name;
+  (`__cudnn$conv...`), `cudnn attention` (`__cudnn$fmha...`: its GEMMs counted as two
+  forward, five backward), `pallas/triton call` (`__gpu$xla.gpu.triton`), other targets by name;
 - unfused ops (`copy`, `scatter`, `sort`, ...) by their opcode.
 
 Per kernel: bytes = the sizes of its distinct operands plus its result (what it reads and
@@ -225,6 +226,18 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict, prefix: str = "") -> None
                 x, w, y = ops[0], ops[1], result
             dtypes = (x, w) if "BackwardFilter" not in target else (y, y)
             _record(out, instr, "conv", dtypes, _conv_flops(x, w, y, instr.attrs), prefix)
+        elif target.startswith("__cudnn$fmha"):
+            _record(out, instr, "gemm", ops[:2], _fmha_flops(instr, ops[0]), prefix)
+
+
+def _fmha_flops(instr: Instr, query: tuple) -> int:
+    """The GEMM FLOPs of a cuDNN fused attention: 2 GEMMs forward, 5 backward (with the
+    logits recomputed), each 2 x batch x heads x T x S x head dim (masked blocks counted)."""
+    cfg = backend_config(instr.attrs).get("cudnn_fmha_backend_config", {})
+    scores = cfg.get("intermediate_tensor_shape", {}).get("dimensions", [])
+    target = attr(instr.attrs, "custom_call_target") or ""
+    gemms = 5 if "Backward" in target else 2
+    return 2 * gemms * math.prod(int(d) for d in scores) * query[1][-1]  # head dim: last
 
 
 def _kind(instr: Instr) -> str:
@@ -251,6 +264,8 @@ def _kind(instr: Instr) -> str:
             return "cudnn conv"
         if target == "__cudnn$blockScaledDot":
             return "cudnn block-scaled gemm"
+        if target.startswith("__cudnn$fmha"):
+            return "cudnn attention"
         if "triton" in target:
             return "pallas/triton call"
         return f"custom-call {target}"

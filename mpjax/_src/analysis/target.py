@@ -3,10 +3,17 @@
 Needs the `gpu-aot` extra (the CUDA plugin wheels, installed `--no-deps`) and
 `JAX_PLATFORMS=cpu`; the target description is the one shipped with mpjax (`h100.txtpb`:
 compute capability 9.0, 132 SMs, shared memory, registers, L2, bandwidth of an H100 SXM).
+
+JAX asks the cuDNN library for its version while tracing a cuDNN fused attention
+(`jax.nn.dot_product_attention(..., implementation="cudnn")`); the gpu-aot environment has no
+cuDNN library (XLA needs none to compile the call), so `lower_step` declares the target's
+version, `H100_CUDNN_VERSION` (the oldest the pinned CUDA plugin accepts), where none is found.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,17 +21,44 @@ import jax
 
 __all__ = [
     "B200_TARGET",
+    "H100_CUDNN_VERSION",
     "H100_TARGET",
     "compile_step",
     "h100_sharding",
     "h100_topology",
     "lower_step",
+    "target_cudnn",
 ]
 
 H100_TARGET = Path(__file__).resolve().parent / "h100.txtpb"
 # A B200 (compute capability 10.0, 148 SMs, 8 TB/s HBM3e) declaring cuDNN 9.10, so that
 # block-scaled GEMMs (`jax.nn.scaled_matmul`) lower to `__cudnn$blockScaledDot`.
 B200_TARGET = Path(__file__).resolve().parent / "b200.txtpb"
+H100_CUDNN_VERSION = 90800  # cuDNN 9.8: jax-cuda12-plugin 0.10 requires >= 9.8, < 10
+
+
+@contextlib.contextmanager
+def target_cudnn(version: int = H100_CUDNN_VERSION) -> Iterator[None]:
+    """While tracing for the deviceless target: cuDNN's version is `version` if none is found.
+
+    Where the cuDNN library is installed, its own version is used and nothing changes.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    check = fa.check_cudnn_version
+    try:
+        check()
+        found = True
+    except RuntimeError:  # "cuDNN is not detected." / "cuDNN not found."
+        found = False
+    if found:
+        yield
+        return
+    fa.check_cudnn_version = lambda: version
+    try:
+        yield
+    finally:
+        fa.check_cudnn_version = check
 
 
 def h100_topology(topology: str = "1x1x1", target: Path = H100_TARGET) -> Any:
@@ -48,7 +82,8 @@ def h100_sharding() -> jax.sharding.Sharding:
 def lower_step(step, args, sharding, donate_argnums=(0,)):
     """`jax.jit(step)` lowered for the deviceless target on abstract `args`."""
     placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), args)
-    return jax.jit(step, donate_argnums=donate_argnums).trace(*placed).lower()
+    with target_cudnn():
+        return jax.jit(step, donate_argnums=donate_argnums).trace(*placed).lower()
 
 
 def compile_step(step, args, sharding, donate_argnums=(0,)):

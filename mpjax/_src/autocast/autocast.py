@@ -37,6 +37,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
+from mpjax._src.autocast.attention import attention_in
 from mpjax._src.autocast.fp8_hook import (
     check_autocast_recipe,
     evaluate_chain,
@@ -332,7 +333,10 @@ def autocast(
     booleans are never cast. A constant cast to a narrower dtype saturates to its finite
     range (a `finfo(float32).min` mask stays finite); a value computed from the arguments
     overflows to inf. It recurses into `jit`, `custom_jvp`, `scan`, `while`, `cond` and
-    `checkpoint`; `custom_vjp` functions keep their own rules and traced dtypes. Array
+    `checkpoint`; `custom_vjp` functions keep their own rules and traced dtypes.
+    `jax.nn.dot_product_attention` runs as written in the compute dtype (a bfloat16/float16
+    one): query, key, value and bias cast to it, its implementation (cuDNN's fused kernel
+    with `implementation="cudnn"`) and result dtype those of the hand-written call. Array
     arguments (and their gradients) keep their dtype; other arguments (Python scalars,
     strings, flags) are static. Floating outputs are cast to `policy.output_dtype`.
     Composes with `jax.jit`, `jax.grad` and `jax.vmap`. `fun` is traced with
@@ -431,7 +435,7 @@ def autocast(
 
         dyn_vals = [leaves[i] for i in dynamic]
         nested = is_nested()
-        with tracing():
+        with tracing(), attention_in(pol.compute_dtype):
             closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
         # Inside another autocast's trace, this region's equations are marked so that the
         # outer rewrite keeps their dtypes (the innermost region's policy wins).

@@ -13,8 +13,9 @@ of a covered module, coming from outside that module:
   `mpjax._src.flax.rules`), and a `dtype` field (Flax's computation dtype) is set to
   the compute dtype for the call, so an explicit `dtype=` on a layer does not override the policy;
 - attention modules in `Defaults.float32_softmax_modules` that use Flax's default
-  `attention_fn` run `float32_softmax_attention` instead (softmax in float32, both
-  matmuls on compute-dtype operands);
+  `attention_fn` run cuDNN's fused attention on CUDA where it applies (its softmax in
+  float32 inside the kernel; `mpjax._src.flax.fused_attention`), else
+  `float32_softmax_attention` (softmax in float32, both matmuls on compute-dtype operands);
 - a module whose own code hands an op that takes only float32 (an FFT) its
   low-precision inputs is run again in float32, its children inheriting float32 and
   its outputs in its policy's output dtype; the failed attempt is undone first
@@ -51,6 +52,7 @@ from mpjax._src.flax.float32_only import (
     naming_float32_only_ops,
 )
 from mpjax._src.flax.fp8_linen import DelayedFp8, delayed_fp8_override
+from mpjax._src.flax.fused_attention import fused_or
 from mpjax._src.flax.rules import (
     Resolved,
     Rules,
@@ -299,7 +301,7 @@ class _Interceptor:
             res.policy.compute_dtype,
             res.float32_softmax,
             nn.dot_product_attention,
-            float32_softmax_attention,
+            functools.partial(fused_or, float32_softmax_attention),
             res.policy.reduce_dtype,
             # delayed fp8 (`fp8=`) replaces the Dense GEMMs: their own residuals apply.
             res.policy.saved_activations if self.fp8 is None else None,

@@ -16,7 +16,9 @@ still holds) whose public methods, when called from outside the module,
   (parameters are therefore not meant to be assigned inside a call; optimizers
   update them between calls);
 - for attention modules in `Defaults.float32_softmax_modules` that use Flax's default
-  `attention_fn`, run `float32_softmax_attention` (softmax in float32);
+  `attention_fn`, run cuDNN's fused attention on CUDA where it applies (softmax in float32
+  inside the kernel; `mpjax._src.flax.fused_attention`), else `float32_softmax_attention`
+  (softmax in float32);
 - a module whose own code hands an op that takes only float32 (an FFT) its
   low-precision inputs is run again in float32, as in the linen integration (the
   failed attempt's writes to its variables undone; `module_policies` shows the
@@ -57,6 +59,7 @@ from mpjax._src.flax.fp8_nnx import (
     plan_nnx_fp8,
     set_nnx_fp8,
 )
+from mpjax._src.flax.fused_attention import fused_or
 from mpjax._src.flax.nnx_attention import float32_softmax_attention
 from mpjax._src.flax.nnx_snapshot import NnxSnapshot
 from mpjax._src.flax.rules import check_path_rules, field_overrides, parse_rules, resolve
@@ -212,7 +215,7 @@ def _policy_call(self, fn, args, kwargs, info: _ModulePolicy, stack: tuple):
         info.policy.compute_dtype,
         info.float32_softmax,
         nnx.dot_product_attention,
-        float32_softmax_attention,
+        functools.partial(fused_or, float32_softmax_attention),
         info.policy.reduce_dtype,
         # delayed fp8 replaces the module's GEMM: its own residuals apply.
         None if has_delayed_fp8(self) else info.policy.saved_activations,
