@@ -13,9 +13,23 @@ import json
 import sys
 from pathlib import Path
 
-from performance_tables import markdown_table, write_pages
+from benchmarks.tables import markdown_table
 
 GIB = 2**30
+
+
+def write_pages(out_dir: Path, pages: dict[str, str]) -> list[Path]:
+    """Writes `<name>.md` for each page whose text changed (keeping mtimes); returns the paths."""
+    paths = []
+    for name, text in pages.items():
+        path = Path(out_dir) / f"{name}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:  # keep mtimes: no needless rebuilds
+            path.write_text(text)
+        paths.append(path)
+    return paths
+
+
 ANCHOR = "anchor: hand-written bf16, XLA attention"
 
 
