@@ -1,0 +1,80 @@
+"""Data-sheet peaks of a GPU and the roofline time of an analysed program on it.
+
+`hlo_cost.analyze` times kernels with the H100's peaks; `roofline_seconds(report, B200)`
+re-times the same kernels on another GPU (tensor FLOPs by operand dtype, vector FLOPs and
+bytes per kernel, no overlap between kernels), e.g. a program compiled for the deviceless
+B200 target.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from mpjax._src.analysis.hlo_cost import HBM_BYTES_PER_S, PEAK_FLOPS, PEAK_VECTOR, HloReport
+
+__all__ = ["B200", "H100", "Peaks", "roofline_seconds"]
+
+
+class Peaks(NamedTuple):
+    """A GPU's dense peaks.
+
+    Attributes:
+      name: the GPU.
+      tensor_flops: tensor-core FLOP/s by HLO operand dtype (`"bf16"`, `"f8e4m3fn"`, ...).
+      vector_flops: float32 FLOP/s off the tensor cores.
+      hbm_bytes_per_s: memory bandwidth.
+    """
+
+    name: str
+    tensor_flops: dict
+    vector_flops: float
+    hbm_bytes_per_s: float
+
+
+H100 = Peaks("H100 SXM", dict(PEAK_FLOPS), PEAK_VECTOR, HBM_BYTES_PER_S)
+# NVIDIA B200 data sheet, dense: bf16 2.25 PFLOP/s, fp8 4.5, fp4 9.0, TF32 1.1; 8 TB/s HBM3e.
+# Block-scaled GEMMs are keyed by their element dtype (MXFP8: f8e4m3fn, NVFP4: f4e2m1fn).
+B200 = Peaks(
+    "B200",
+    {
+        "f4e2m1fn": 9.0e15,
+        "f8e4m3fn": 4.5e15,
+        "f8e5m2": 4.5e15,
+        "bf16": 2.25e15,
+        "f16": 2.25e15,
+        "f32": 1.1e15,
+        "f64": 40e12,
+    },
+    80e12,
+    8.0e12,
+)
+
+
+def roofline_seconds(report: HloReport, peaks: Peaks = H100) -> float:
+    """The summed per-kernel roofline time of `report`'s kernels on `peaks`' GPU.
+
+    Args:
+      report: `hlo_cost.analyze` of an optimized HLO module.
+      peaks: the GPU (`H100` gives `report.roofline_s` back).
+
+    Returns:
+      Seconds: per kernel `max(tensor FLOPs / peak(dtype) + vector FLOPs / vector peak,
+      bytes / bandwidth)`, summed.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from mpjax._src.analysis.hlo_cost import analyze
+      >>> from mpjax._src.analysis.peaks import B200, H100, roofline_seconds
+      >>> text = jax.jit(lambda x: x @ x).trace(jnp.ones((64, 64))).lower().compile().as_text()
+      >>> report = analyze(text)
+      >>> roofline_seconds(report, H100) == report.roofline_s
+      True
+    """
+    total = 0.0
+    for kernel in report.kernels:
+        compute = kernel.other_flops / peaks.vector_flops
+        for key, flops in kernel.tensor_flops.items():
+            rate = min(peaks.tensor_flops.get(d, peaks.vector_flops) for d in key.split("x"))
+            compute += flops / rate
+        total += max(compute, kernel.bytes / peaks.hbm_bytes_per_s)
+    return total
