@@ -80,3 +80,21 @@ def test_bad_choose_and_target_are_named():
         Fp8Recipe("mxfp8", choose="auto")
     with pytest.raises(ValueError, match="choose='roofline' with scaling='delayed'"):
         Fp8Recipe("delayed", choose="roofline", target="h100")
+
+
+def test_fp8_ops_gives_a_1x1_convs_choice_too():
+    recipe = Fp8Recipe("mxfp8", convs="1x1", min_dim=16, choose="roofline", target="b200")
+
+    def conv(x, w):
+        dn = ("NHWC", "HWIO", "NHWC")
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=dn)
+
+    def ops(pixels, channels):
+        x = jax.ShapeDtypeStruct((1, pixels, pixels, channels), jnp.float32)
+        w = jax.ShapeDtypeStruct((1, 1, channels, channels), jnp.float32)
+        (op,) = fp8_ops(conv, recipe, x, w)
+        return op
+
+    small, large = ops(8, 64), ops(128, 8192)
+    assert not small.fp8 and small.reason.startswith("memory bound on b200 (64x64x64)")
+    assert large.fp8 and large.lowering.endswith("mxfp8") and "16384x8192x8192" in large.choice

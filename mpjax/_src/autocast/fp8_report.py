@@ -82,13 +82,13 @@ def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute) -> None:
             if not floats:
                 reason = "integer operands: not cast"
             elif prim == "dot_general":
-                dims = eqn.params["dimension_numbers"]
-                reason = gemm_reason(recipe, Fp8Site(name, lhs, rhs, dims)) or ""
-            else:
-                reason = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)[1] or ""
-            lowering, choice = _lowering(recipe, reason), ""
-            if not reason and prim == "dot_general" and recipe.choose == "roofline":
                 site = Fp8Site(name, lhs, rhs, eqn.params["dimension_numbers"])
+                reason = gemm_reason(recipe, site) or ""
+            else:  # a 1x1 conv's GEMM site (None when it is not one)
+                site, why = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)
+                reason = why or ""
+            lowering, choice = _lowering(recipe, reason), ""
+            if not reason and recipe.choose == "roofline":
                 reason, lowering, choice = _chosen(recipe, site, compute)
             found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason, lowering, choice))
         if prim not in _OWN_RULES:
