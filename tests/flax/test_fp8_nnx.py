@@ -271,8 +271,8 @@ def test_stacked_layers_under_scan_get_stacked_state_equal_to_unrolled():
 
 def test_bad_input_is_named():
     linear = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="scaling='delayed'"):
-        mpjax.apply_policy(linear, BF16, fp8=mpjax.Fp8Recipe())  # current scaling: autocast's
+    with pytest.raises(ValueError, match="fp8_axis_name='b'.*mxfp8.*no state"):
+        mpjax.apply_policy(linear, BF16, fp8=mpjax.Fp8Recipe("mxfp8"), fp8_axis_name="b")
     with pytest.raises(ValueError, match="forward_dtype=bfloat16"):
         mpjax.apply_policy(linear, BF16, fp8=delayed(forward_dtype=jnp.bfloat16))
     with pytest.raises(ValueError, match="backward_dtype=float16"):

@@ -6,11 +6,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
 from mpjax._src.fp8.block_dot import native_block_gemms
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
+from mpjax._src.fp8.choose import COMPUTE, choose_gemm_format, recipe_for_format
 from mpjax._src.fp8.conv import conv_gemm_site, gemm_reason
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
@@ -34,6 +36,11 @@ class Fp8Op(NamedTuple):
         block-scaled recipes `"native <scaling>"` (block-scaled tensor-core GEMMs) or
         `"emulated <scaling>"` (operands quantised per block and dequantised to the compute
         dtype: the numbers of the format at the compute dtype's speed); empty when not `fp8`.
+        Under `choose="roofline"` it names the chosen format (`"fp8 tensorwise"`,
+        `"native mxfp8"`, ...).
+      choice: under `Fp8Recipe(choose="roofline")`, the roofline times behind the GEMM's
+        format (also the `reason` of a GEMM kept in the compute dtype: "memory bound on
+        ..."); empty otherwise.
     """
 
     name: str
@@ -43,6 +50,7 @@ class Fp8Op(NamedTuple):
     fp8: bool
     reason: str
     lowering: str = ""
+    choice: str = ""
 
 
 def _lowering(recipe: Fp8Recipe, reason: str) -> str:
@@ -53,7 +61,18 @@ def _lowering(recipe: Fp8Recipe, reason: str) -> str:
     return f"{'native' if native_block_gemms(recipe) else 'emulated'} {recipe.scaling}"
 
 
-def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:
+def _chosen(recipe: Fp8Recipe, site: Fp8Site, compute) -> tuple[str, str, str]:
+    """(reason, lowering, choice) of an eligible GEMM under `choose="roofline"`."""
+    choice = choose_gemm_format(recipe, site, compute)
+    if choice.format == COMPUTE:
+        return choice.reason, "", choice.reason
+    lowering = _lowering(recipe_for_format(recipe, choice.format), "")
+    if lowering == "fp8":
+        lowering = f"fp8 {choice.format}"
+    return "", lowering, choice.reason
+
+
+def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute) -> None:
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         if prim in ("dot_general", "conv_general_dilated"):
@@ -63,17 +82,23 @@ def _walk(jaxpr, recipe: Fp8Recipe, found: list) -> None:
             if not floats:
                 reason = "integer operands: not cast"
             elif prim == "dot_general":
-                dims = eqn.params["dimension_numbers"]
-                reason = gemm_reason(recipe, Fp8Site(name, lhs, rhs, dims)) or ""
-            else:
-                reason = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)[1] or ""
-            found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason, _lowering(recipe, reason)))
+                site = Fp8Site(name, lhs, rhs, eqn.params["dimension_numbers"])
+                reason = gemm_reason(recipe, site) or ""
+            else:  # a 1x1 conv's GEMM site (None when it is not one)
+                site, why = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)
+                reason = why or ""
+            lowering, choice = _lowering(recipe, reason), ""
+            if not reason and recipe.choose == "roofline":
+                reason, lowering, choice = _chosen(recipe, site, compute)
+            found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason, lowering, choice))
         if prim not in _OWN_RULES:
             for sub in jaxprs_in_params(eqn.params):
-                _walk(sub, recipe, found)
+                _walk(sub, recipe, found, compute)
 
 
-def fp8_ops(fun: Callable, recipe: Fp8Recipe, *args: Any) -> list[Fp8Op]:
+def fp8_ops(
+    fun: Callable, recipe: Fp8Recipe, *args: Any, compute_dtype: Any = jnp.bfloat16
+) -> list[Fp8Op]:
     """Each `dot_general` and convolution of `fun(*args)`, in order, with its fp8 choice.
 
     What `autocast(fun, policy, fp8=recipe)` (default `OpLists`) does with each op of the
@@ -86,6 +111,7 @@ def fp8_ops(fun: Callable, recipe: Fp8Recipe, *args: Any) -> list[Fp8Op]:
       fun: the function (array arguments only; bind the others with `functools.partial`).
       recipe: the `Fp8Recipe`.
       *args: example arguments (arrays or `jax.ShapeDtypeStruct` values).
+      compute_dtype: the policy's compute dtype (its size enters `choose="roofline"`).
 
     Returns:
       A list of `Fp8Op`.
@@ -101,5 +127,5 @@ def fp8_ops(fun: Callable, recipe: Fp8Recipe, *args: Any) -> list[Fp8Op]:
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"fp8_ops: recipe must be an mpjax Fp8Recipe, got {type(recipe).__name__}")
     found: list[Fp8Op] = []
-    _walk(jax.make_jaxpr(fun)(*args).jaxpr, recipe, found)
+    _walk(jax.make_jaxpr(fun)(*args).jaxpr, recipe, found, np.dtype(compute_dtype))
     return found

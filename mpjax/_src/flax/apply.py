@@ -43,17 +43,20 @@ def apply_policy(
         returned).
       policy: the policy or rule mapping.
       defaults: the default lists (`mpjax.DEFAULTS`; `mpjax.NO_DEFAULTS` for none).
-      fp8: an `Fp8Recipe(scaling="delayed")`; every linen `nn.Dense` / `nn.DenseGeneral`
+      fp8: an `Fp8Recipe`; every linen `nn.Dense` / `nn.DenseGeneral`
         or NNX `nnx.Linear` / `nnx.LinearGeneral` the policy covers whose kernel is
         eligible (sizes multiples of 16, at least `min_dim`, no batch axes; not excluded
-        by `exclude` patterns on `"Model/path"`) runs fp8 GEMMs with delayed scaling. Linen
+        by `exclude` patterns on `"Model/path"`) runs fp8 GEMMs. A stateless recipe
+        (`"tensorwise"`, `"rowwise"`, `"mxfp8"`, `"nvfp4"`, `"blockwise"`) runs each call
+        that `mpjax.fp8.fp8_eligible` takes through `mpjax.fp8.fp8_dot_general` (what
+        `autocast(fp8=recipe)` does to the same GEMM) and adds no state. Delayed scaling
         keeps the state in the `"fp8_meta"` collection (see `mpjax.fp8.update_fp8_meta`);
         NNX in `mpjax.fp8.Fp8Meta` variables, created here (see
         `mpjax.fp8.update_nnx_fp8_meta`). `nn.Einsum` / `nnx.Einsum` stay in the compute
         dtype.
       fp8_axis_name: the pmap/shard_map axis name the amaxes are reduced over (`pmax`),
         so every replica uses the same scale; under jit with sharded (global) arrays
-        the amaxes are global already.
+        the amaxes are global already. Delayed scaling only.
 
     Returns:
       The policy-wrapped linen module, or the NNX model itself.
@@ -64,8 +67,8 @@ def apply_policy(
       ValueError: an invalid regex or policy spec, naming the selector; a path rule that
         matches no module, naming it and listing the module paths (NNX: here; linen: at the
         first `init`/`apply`, when the module tree is known); at call time,
-        a module matched by two rules of the same kind, naming both; `fp8` with a
-        current-scaling recipe (use `autocast`), or a Dense/Linear with its own
+        a module matched by two rules of the same kind, naming both; `fp8_axis_name`
+        with a stateless recipe, or a Dense/Linear with its own
         `dot_general` that no `exclude` pattern excludes.
 
     Example:

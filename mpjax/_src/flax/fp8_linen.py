@@ -1,4 +1,9 @@
-"""Delayed fp8 scaling for Flax linen `Dense`/`DenseGeneral` under `apply_policy(fp8=...)`."""
+"""Fp8 GEMMs for Flax linen `Dense`/`DenseGeneral` under `apply_policy(fp8=...)`.
+
+Delayed scaling keeps amax-history state in the `"fp8_meta"` collection; the stateless
+recipes (tensorwise, rowwise and the block-scaled `"mxfp8"` / `"nvfp4"` / `"blockwise"`)
+run each eligible GEMM through `mpjax.fp8.fp8_dot_general` and add no variables.
+"""
 
 from __future__ import annotations
 
@@ -16,16 +21,23 @@ from mpjax._src.fp8.delayed import (
     init_fp8_meta,
     kernel_eligible,
 )
+from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
-__all__ = ["DELAYED_MODULES", "DelayedFp8", "check_policy_fp8", "delayed_fp8_override"]
+__all__ = [
+    "DELAYED_MODULES",
+    "DelayedFp8",
+    "check_policy_fp8",
+    "delayed_fp8_override",
+    "stateless_site_dot",
+]
 
 # The linen modules whose GEMM takes a `dot_general` field, which delayed fp8 replaces.
 DELAYED_MODULES = (nn.Dense, nn.DenseGeneral)
 
 
 class DelayedFp8(NamedTuple):
-    """`apply_policy`'s fp8 configuration: the delayed recipe and the pmap axis name."""
+    """`apply_policy`'s fp8 configuration: the recipe and (delayed scaling) the pmap axis name."""
 
     recipe: Fp8Recipe
     axis_name: Any = None
@@ -39,23 +51,34 @@ def check_policy_fp8(fp8: Any, axis_name: Any) -> DelayedFp8 | None:
         return None
     if not isinstance(fp8, Fp8Recipe):
         raise TypeError(f"apply_policy: fp8 must be an mpjax Fp8Recipe, got {type(fp8).__name__}")
-    if fp8.scaling != "delayed":
+    if fp8.scaling != "delayed" and axis_name is not None:
         raise ValueError(
-            f"apply_policy: fp8 takes Fp8Recipe(scaling='delayed') (amax history state); for "
-            f"scaling={fp8.scaling!r} (stateless) use mpjax.autocast(fn, policy, fp8=recipe)"
+            f"apply_policy: fp8_axis_name={axis_name!r} reduces delayed scaling's amaxes; "
+            f"scaling={fp8.scaling!r} keeps no state, so drop fp8_axis_name"
         )
     return DelayedFp8(fp8, axis_name)
 
 
+def stateless_site_dot(recipe: Fp8Recipe, name: str, lhs, rhs, dims, precision, preferred):
+    """One call of a covered GEMM under a stateless recipe: `fp8_dot_general` when the call
+    is eligible (`fp8_eligible` on its shapes and `name`), else `lax.dot_general`."""
+    site = Fp8Site(name, np.shape(lhs), np.shape(rhs), dims)
+    if not fp8_eligible(recipe, site):
+        return lax.dot_general(lhs, rhs, dims, precision, preferred)
+    return fp8_dot_general(lhs, rhs, dims, recipe, preferred or lhs.dtype)
+
+
 @contextlib.contextmanager
 def delayed_fp8_override(module: nn.Module, name: str, config: DelayedFp8 | None):
-    """For one call of a `Dense`/`DenseGeneral`, sets its `dot_general` to the delayed fp8 one.
+    """For one call of a `Dense`/`DenseGeneral`, sets its `dot_general` to the fp8 one.
 
-    A kernel whose contracting and output sizes are multiples of 16 and at least
-    `recipe.min_dim`, not excluded by `recipe.exclude` / `exclude_if` (matched against
-    `name`, e.g. `"LM/head"`), gets `amax_history` / `scale` variables in the `"fp8_meta"`
-    collection; its GEMM runs in fp8 when the activation's free size is a multiple of 16
-    (else in the compute dtype, recording no amax).
+    A stateless recipe (not `"delayed"`) runs the call through `fp8_dot_general` when
+    `fp8_eligible` takes it (sizes, `exclude` / `exclude_if` against `name`), with no
+    variables. Under delayed scaling, a kernel whose contracting and output sizes are
+    multiples of 16 and at least `recipe.min_dim`, not excluded by `recipe.exclude` /
+    `exclude_if` (matched against `name`, e.g. `"LM/head"`), gets `amax_history` /
+    `scale` variables in the `"fp8_meta"` collection; its GEMM runs in fp8 when the
+    activation's free size is a multiple of 16 (else in the compute dtype, recording no amax).
 
     Raises:
       ValueError: the module sets its own `dot_general` / `dot_general_cls`.
@@ -74,6 +97,10 @@ def delayed_fp8_override(module: nn.Module, name: str, config: DelayedFp8 | None
     recipe = config.recipe
 
     def dot(lhs, rhs, dims, precision=None, preferred_element_type=None):
+        if recipe.scaling != "delayed":
+            return stateless_site_dot(
+                recipe, name, lhs, rhs, dims, precision, preferred_element_type
+            )
         site = Fp8Site(name, np.shape(lhs), np.shape(rhs), dims)
         if not kernel_eligible(recipe, site):
             return lax.dot_general(lhs, rhs, dims, precision, preferred_element_type)

@@ -1,4 +1,8 @@
-"""Delayed fp8 scaling for Flax NNX `Linear`/`LinearGeneral` under `apply_policy(fp8=...)`.
+"""Fp8 GEMMs for Flax NNX `Linear`/`LinearGeneral` under `apply_policy(fp8=...)`.
+
+A stateless recipe (tensorwise, rowwise, `"mxfp8"`, `"nvfp4"`, `"blockwise"`) gives a covered
+module with an eligible kernel a static record only; each call that `fp8_eligible` takes runs
+through `mpjax.fp8.fp8_dot_general`. The rest of this note is about delayed scaling.
 
 `apply_policy(model, policy, fp8=Fp8Recipe(scaling="delayed"))` gives every covered
 `nnx.Linear` / `nnx.LinearGeneral` with an eligible kernel an attribute `fp8_meta`, an
@@ -48,6 +52,7 @@ from mpjax._src.fp8.delayed import (
     kernel_eligible,
     update_fp8_meta,
 )
+from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = [
@@ -182,6 +187,11 @@ def set_nnx_fp8(module: nnx.Module, record: _Fp8Record | None) -> None:
     if record is None:
         _detach(module)
         return
+    if record.config.recipe.scaling != "delayed":  # stateless: the record only
+        if _is_ours(vars(module).get(META_ATTR)):
+            delattr(module, META_ATTR)
+        setattr(module, _SITE_ATTR, record)
+        return
     fresh = {
         k: jnp.broadcast_to(v, record.stacked + v.shape)
         for k, v in init_fp8_meta(record.config.recipe).items()
@@ -216,10 +226,11 @@ def nnx_delayed_override(module: nnx.Module):
             "dot_general_cls; exclude it with Fp8Recipe(exclude=...)"
         )
     recipe, axis_name = record.config.recipe, record.config.axis_name
+    stateless = recipe.scaling != "delayed"
 
     def dot(lhs, rhs, dims, precision=None, preferred_element_type=None, out_sharding=None):
         site = Fp8Site(record.name, np.shape(lhs), np.shape(rhs), dims)
-        if not kernel_eligible(recipe, site):
+        if not kernel_eligible(recipe, site) or (stateless and not fp8_eligible(recipe, site)):
             return lax.dot_general(
                 lhs, rhs, dims, precision, preferred_element_type, out_sharding=out_sharding
             )
@@ -228,6 +239,8 @@ def nnx_delayed_override(module: nnx.Module):
                 f"apply_policy(fp8=...): module {record.name!r} was called with out_sharding, "
                 "which the fp8 GEMM does not take; exclude it with Fp8Recipe(exclude=...)"
             )
+        if stateless:
+            return fp8_dot_general(lhs, rhs, dims, recipe, preferred_element_type or lhs.dtype)
         scale = getattr(module, META_ATTR)["scale"][...]
         if np.shape(scale) != (3,):
             raise ValueError(

@@ -110,7 +110,9 @@ def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
     )
     if not native:
         da, db = dequantize_blocks(qa, compute), dequantize_blocks(qb, compute)
-        return lax.dot_general(da, db, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        # out in the compute dtype (float32 accumulation on GPUs): XLA:CPU has no bf16 x bf16
+        # -> f32 dot, and the result is rounded to the compute dtype anyway
+        return lax.dot_general(da, db, (((1,), (1,)), ((), ())), preferred_element_type=compute)
     k = a.shape[1]
     pad = [(0, 0), (0, -k % qa.block[1])]
     out = jax.nn.scaled_matmul(

@@ -20,6 +20,7 @@ from jax import lax
 from mpjax._src.core.sharding import transposed_sharding
 from mpjax._src.fp8.block_dot import block_scaled_dot_general
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
+from mpjax._src.fp8.choose import COMPUTE, choose_gemm_format, recipe_for_format
 from mpjax._src.fp8.layouts import free_axes, grad_lhs_layout, grad_rhs_layout
 from mpjax._src.fp8.quant import amax, compute_scale, quantize
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
@@ -109,7 +110,9 @@ def fp8_dot_general(
       rhs: right operand (weights).
       dimension_numbers: `dot_general` dimension numbers.
       recipe: an `Fp8Recipe` with `"tensorwise"` or `"rowwise"` scaling, or a block-scaled
-        one (`"mxfp8"`, `"nvfp4"`, `"blockwise"`: see `block_scaled_dot_general`).
+        one (`"mxfp8"`, `"nvfp4"`, `"blockwise"`: see `block_scaled_dot_general`); with
+        `choose="roofline"`, the format `choose_gemm_format` picks for these shapes (the
+        compute dtype: a plain `dot_general` in `compute_dtype`).
       compute_dtype: the output dtype of every GEMM.
       lhs_quant: optionally, `lhs` recomputed (in float32) for the forward quantisation;
         the scale still comes from `lhs`'s amax and no gradient flows into it.
@@ -125,6 +128,18 @@ def fp8_dot_general(
       >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())), Fp8Recipe(), jnp.bfloat16).dtype
       dtype(bfloat16)
     """
+    if recipe.choose == "roofline":  # this GEMM's format from the target's roofline
+        site = Fp8Site("", np.shape(lhs), np.shape(rhs), dimension_numbers)
+        fmt = choose_gemm_format(recipe, site, compute_dtype).format
+        if fmt == COMPUTE:
+            compute = np.dtype(compute_dtype)
+            return lax.dot_general(
+                lhs.astype(compute),
+                rhs.astype(compute),
+                dimension_numbers,
+                preferred_element_type=compute,
+            )
+        recipe = recipe_for_format(recipe, fmt)
     if recipe.scaling in BLOCK_SCALINGS:
         return block_scaled_dot_general(lhs, rhs, dimension_numbers, recipe, compute_dtype)
     if recipe.scaling not in ("tensorwise", "rowwise"):

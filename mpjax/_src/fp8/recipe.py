@@ -18,6 +18,8 @@ _SCALINGS = ("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4", "blockwise")
 _AMAX_COMPUTE = ("max", "most_recent")
 _CONVS = ("none", "1x1")
 _BLOCK_LOWERINGS = ("auto", "native", "emulated")
+_CHOOSE = ("fixed", "roofline")
+_TARGETS = ("h100", "b200")
 
 
 class Fp8Site(NamedTuple):
@@ -196,9 +198,29 @@ class Fp8Recipe:
     exclude_if: Callable[[Fp8Site], bool] | None = None
     convs: str = "none"
     block_lowering: str = "auto"
+    choose: str = "fixed"
+    target: str | None = None
 
     def __post_init__(self):
         _choice(self.scaling, "scaling", _SCALINGS)
+        _choice(self.choose, "choose", _CHOOSE)
+        if self.choose == "roofline":
+            if self.target not in _TARGETS:
+                raise ValueError(
+                    f"Fp8Recipe: target={self.target!r}; choose='roofline' plans for a GPU: "
+                    f"pass target= one of {_TARGETS}"
+                )
+            if self.scaling == "delayed":
+                raise ValueError(
+                    "Fp8Recipe: choose='roofline' with scaling='delayed'; the per-GEMM choice "
+                    "needs a stateless scaling ('tensorwise', 'rowwise', 'mxfp8', 'nvfp4', "
+                    "'blockwise')"
+                )
+        elif self.target is not None:
+            raise ValueError(
+                f"Fp8Recipe: target={self.target!r} is read only with choose='roofline'; "
+                "pass choose='roofline' or drop target"
+            )
         _choice(self.block_lowering, "block_lowering", _BLOCK_LOWERINGS)
         _choice(self.amax_compute, "amax_compute", _AMAX_COMPUTE)
         _choice(self.convs, "convs", _CONVS)
