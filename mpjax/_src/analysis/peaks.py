@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from mpjax._src.analysis.hlo_cost import HBM_BYTES_PER_S, PEAK_FLOPS, PEAK_VECTOR, HloReport
+from mpjax._src.core.gpu_peaks import GPU_PEAKS
 
 __all__ = ["B200", "H100", "Peaks", "roofline_seconds"]
 
@@ -32,21 +33,23 @@ class Peaks(NamedTuple):
 
 
 H100 = Peaks("H100 SXM", dict(PEAK_FLOPS), PEAK_VECTOR, HBM_BYTES_PER_S)
-# NVIDIA B200 data sheet, dense: bf16 2.25 PFLOP/s, fp8 4.5, fp4 9.0, TF32 1.1; 8 TB/s HBM3e.
-# Block-scaled GEMMs are keyed by their element dtype (MXFP8: f8e4m3fn, NVFP4: f4e2m1fn).
+# The B200's dense data-sheet peaks (`core.gpu_peaks`, shared with the fp8 layer's per-GEMM
+# choice) by HLO operand dtype; block-scaled GEMMs are keyed by their element dtype
+# (MXFP8: f8e4m3fn, NVFP4: f4e2m1fn). TF32 1.1 PFLOP/s, float64 40 TFLOP/s, vector 80.
+_B200 = GPU_PEAKS["b200"]
 B200 = Peaks(
-    "B200",
+    _B200.name,
     {
-        "f4e2m1fn": 9.0e15,
-        "f8e4m3fn": 4.5e15,
-        "f8e5m2": 4.5e15,
-        "bf16": 2.25e15,
-        "f16": 2.25e15,
+        "f4e2m1fn": _B200.tensor_flops["fp4"],
+        "f8e4m3fn": _B200.tensor_flops["fp8"],
+        "f8e5m2": _B200.tensor_flops["fp8"],
+        "bf16": _B200.tensor_flops["bf16"],
+        "f16": _B200.tensor_flops["bf16"],
         "f32": 1.1e15,
         "f64": 40e12,
     },
     80e12,
-    8.0e12,
+    _B200.hbm_bytes_per_s,
 )
 
 
