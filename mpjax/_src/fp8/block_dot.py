@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS, dequantize_blocks, quantize_blocks
 from mpjax._src.fp8.recipe import Fp8Recipe
@@ -126,6 +127,37 @@ def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
     return out
 
 
+def _sharding(x: jax.Array):
+    """`x`'s sharding when its type is sharded over Explicit mesh axes, else None."""
+    sharding = None if x is None else getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or sharding.mesh.empty or all(p is None for p in sharding.spec):
+        return None
+    return sharding
+
+
+def _replicated(x: jax.Array) -> jax.Array:
+    """`x` gathered whole where its type is sharded over Explicit axes (the block reshapes
+    need whole rows: a correct program first, at the cost of the gather)."""
+    sharding = _sharding(x)
+    return x if sharding is None else jax.sharding.reshard(x, sharding.update(spec=P()))
+
+
+def _like(x: jax.Array, reference: Any) -> jax.Array:
+    """`x` given `reference`'s sharding (an array or a ShapeDtypeStruct), where it has one."""
+    sharding = _sharding(reference)
+    return x if sharding is None else jax.sharding.reshard(x, sharding)
+
+
+def _plain_product(a, b, contract, compute) -> Any:
+    """The type (with sharding) JAX gives `dot_general(a, b)`: the result's sharding."""
+    if _sharding(a) is None and _sharding(b) is None:
+        return None
+    dims = (contract, ((), ()))
+    return jax.eval_shape(
+        lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=compute), a, b
+    )
+
+
 def block_scaled_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -178,16 +210,19 @@ def block_scaled_dot_general(
     w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"
 
-    def forward(a, b):
+    def forward(a_in, b_in):
+        a, b = _replicated(a_in), _replicated(b_in)
         out = _gemm(
             recipe, _as_rows(a, lc), _as_rows(b, rc), ("activation", w_role), native, compute
         )
         a_free = [a.shape[i] for i in range(a.ndim) if i not in lc]
         b_free = [b.shape[i] for i in range(b.ndim) if i not in rc]
-        return out.reshape(a_free + b_free).astype(compute), (a, b)
+        out = out.reshape(a_free + b_free).astype(compute)
+        return _like(out, _plain_product(a_in, b_in, (lc, rc), compute)), (a_in, b_in)
 
     def backward(saved, g):
-        a, b = saved
+        a_in, b_in = saved
+        a, b, g = _replicated(a_in), _replicated(b_in), _replicated(g)
         na = a.ndim - len(lc)
         g_rows = g.reshape(int(np.prod(g.shape[:na])), -1)  # [M, N]
         # input gradient: g [M, N] . (w as [K, N])^T, both quantised along N
@@ -206,7 +241,7 @@ def block_scaled_dot_general(
         b_free = [i for i in range(b.ndim) if i not in rc]
         db = db.reshape([b.shape[i] for i in b_free] + [b.shape[i] for i in rc])
         db = jnp.transpose(db, np.argsort(b_free + list(rc)))
-        return da.astype(a.dtype), db.astype(b.dtype)
+        return _like(da.astype(a.dtype), a_in), _like(db.astype(b.dtype), b_in)
 
     op = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     op.defvjp(forward, backward)
