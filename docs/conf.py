@@ -57,6 +57,8 @@ autodoc_type_aliases = {"jax.Array": "jax.Array", "jax.export.Exported": "jax.ex
 PUBLIC_TYPE_NAMES = {
     "jax.jaxlib._jax.Array": "jax.Array",
     "jax._src.export._export.Exported": "jax.export.Exported",
+    "optax._src.base.GradientTransformationExtraArgs": "optax.GradientTransformationExtraArgs",
+    "optax._src.base.GradientTransformation": "optax.GradientTransformation",
 }
 autodoc_default_options = {"members": False}
 napoleon_google_docstring = True
