@@ -36,7 +36,7 @@ import optax
 
 import mpjax
 from benchmarks.harness import compile_program
-from benchmarks.train_models import LM_SIZES, cudnn_attention
+from benchmarks.train_models import LM_SIZES
 from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, TrainProgram, _lm, lm_config
 from mpjax._src.analysis.liveness import Buffer, attribute, peak_buffers
 from mpjax.nn import linear_cross_entropy
@@ -75,8 +75,9 @@ def _fused_loss(model, variables, tokens, padding):
 
 # name -> Knobs -> Knobs. Each switch is a few lines; they compose in this order.
 SWITCHES: dict[str, Callable[[Knobs], Knobs]] = {
+    # Flax users' one-line switch: cuDNN flash attention in the compute dtype
     "fused attention": lambda k: k._replace(
-        module_kw={**k.module_kw, "attention_fn": cudnn_attention}
+        module_kw={**k.module_kw, "attention_fn": mpjax.nn.dot_product_attention}
     ),
     "fused loss": lambda k: k._replace(
         module_kw={**k.module_kw, "head_bias": False, "hidden_only": True}, loss=_fused_loss
