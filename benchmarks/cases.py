@@ -34,11 +34,17 @@ from benchmarks.step_overhead import FULL as MLP_FULL
 from benchmarks.step_overhead import QUICK as MLP_QUICK
 from benchmarks.studies import STUDIES
 from benchmarks.train_models import LM_SIZES, RESNET_SIZES
-from benchmarks.train_variants import LM_VARIANTS, RESNET_VARIANTS, lm_config
+from benchmarks.train_variants import (
+    LM_FUSED_LOSS_VARIANTS,
+    LM_VARIANTS,
+    RESNET_VARIANTS,
+    lm_config,
+)
 
 __all__ = ["CASES", "MODELS"]
 
-LM_ALL = {**LM_VARIANTS, **FP8_VARIANTS, **MULTI_LM_VARIANTS, **MEMORY_LM_VARIANTS}
+LM_ALL = {**LM_VARIANTS, **LM_FUSED_LOSS_VARIANTS, **FP8_VARIANTS, **MULTI_LM_VARIANTS}
+LM_ALL.update(MEMORY_LM_VARIANTS)
 RESNET_ALL = {**RESNET_VARIANTS, **FP8_CONV_VARIANTS, **MULTI_RESNET_VARIANTS}
 MODELS = MappingProxyType(
     {
@@ -59,7 +65,8 @@ def _grid(table, model, variants, targets=("h100",), **kw):
 BASE = ("fp32", "bf16", "policy", "policy-rules", "autocast", "fp16-scaled", "fp16-bare")
 CONVBN = ("convbn", "convbn-xla", "convbn-rules", "convbn-rules-xla")
 # The multi-GPU rows: some base variants, and every variant of state_variants.py's mappings.
-MULTI_LM = ("bf16", "fp16-scaled", *MULTI_LM_VARIANTS, "fp8-delayed", "fp8-tensorwise")
+MULTI_LM = ("bf16", "bf16-xla", "autocast", "fp16-scaled", *MULTI_LM_VARIANTS)
+MULTI_LM += (*LM_FUSED_LOSS_VARIANTS, "fp8-delayed", "fp8-tensorwise")
 MULTI_RESNET = ("bf16", "policy", "fp16-bare", "fp16-scaled", "convbn-xla")
 MULTI_RESNET += tuple(MULTI_RESNET_VARIANTS)
 HSDP_LM = ("bf16", "policy-noop-scaled", "fp16-scaled", "fp16-scaled-pallas")
@@ -70,6 +77,7 @@ CASES = (
     # Every base variant (train_variants.py) is a row: a new one appears here by itself.
     *_grid("cost", "resnet", RESNET_VARIANTS, report=True),
     *_grid("cost", "lm", LM_VARIANTS, report=True),
+    *_grid("cost", "lm", LM_FUSED_LOSS_VARIANTS, report=True),  # the fused loss (issue 29)
     # fp8 (was fp8_cost.py, fp8_conv_cost.py, fp8_nnx_cost.py).
     *_grid("fp8", "lm", ("bf16", *FP8_VARIANTS)),
     *_grid("fp8", "lm", ("bf16", *FP8_VARIANTS), sizes=("quick", "wide")),

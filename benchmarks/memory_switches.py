@@ -1,11 +1,10 @@
 """Where the memory of a GPT-2-small FSDP train step goes, and what each mpjax switch saves.
 
-One command (8 deviceless H100s, one FSDP axis, 8 sequences of 1024 per GPU, compiled
-under the gpu-aot python while the char-LM example trains here with and without fp8 saved
+The suite's `memory-switches` case (8 deviceless H100s, one FSDP axis, 8 sequences of 1024
+per GPU), and `memory-switches-char-lm` (the char-LM example with and without fp8 saved
 activations):
 
-    MPJAX_GPU_AOT_PYTHON=/path/to/gpu-aot/python python benchmarks/memory_switches.py \\
-        --json benchmarks/memory_switches.json
+    python benchmarks/run.py --only memory-switches --resume
 
 Each row is one train step (forward, backward, AdamW) compiled by XLA for the 8 H100s, with
 its per-GPU temporaries and arguments from XLA's buffer assignment, and the temporaries
@@ -18,40 +17,29 @@ bf16 LM with XLA attention, and the expert's with cuDNN attention), mpjax's
 
 A switch is a function `Knobs -> Knobs` in `SWITCHES` (a few lines): it changes the
 policy, the LM's fields, the loss or the training state. A switch or anchor whose code is
-not on this branch is reported as such (see `PENDING`, `ANCHORS`).
-
-`--quick` uses the quick LM and the char-LM's quick sizes (for tests); `--no-char-lm`
-skips the training runs.
+not on this branch is reported as such (see `PENDING`, `ANCHORS`). `--quick`: the quick LM
+(`quickx8`) and the char-LM's quick sizes.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from benchmarks.gpu_cost_model import ENV_PYTHON, plugin_available  # noqa: E402
-from benchmarks.multi_gpu_cost import compile_fsdp, config, make_mesh  # noqa: E402
-
-import mpjax  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
-from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, TrainProgram, _lm  # noqa: E402
-from mpjax._src.analysis.liveness import Buffer, attribute, peak_buffers  # noqa: E402
+import mpjax
+from benchmarks.harness import compile_program
+from benchmarks.train_models import LM_SIZES
+from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, TrainProgram, _lm, lm_config
+from mpjax._src.analysis.liveness import Buffer, attribute, peak_buffers
+from mpjax.nn import linear_cross_entropy
 
 GIB = 2**30
 E4M3 = "float8_e4m3fn"
@@ -77,8 +65,23 @@ class Knobs(NamedTuple):
     state: str = "f32"
 
 
+def _fused_loss(model, variables, tokens, padding):
+    """`mpjax.nn.linear_cross_entropy` of the LM's final hidden states and head kernel."""
+    hidden = model.apply(variables, tokens[:, :-1], padding)  # the LM has `hidden_only`
+    labels = jnp.where(padding, tokens[:, 1:], -1)
+    kernel = variables["params"]["head"]["kernel"]
+    return linear_cross_entropy(hidden, kernel, labels, ignore_index=-1, dtype=jnp.bfloat16)
+
+
 # name -> Knobs -> Knobs. Each switch is a few lines; they compose in this order.
 SWITCHES: dict[str, Callable[[Knobs], Knobs]] = {
+    # Flax users' one-line switch: cuDNN flash attention in the compute dtype
+    "fused attention": lambda k: k._replace(
+        module_kw={**k.module_kw, "attention_fn": mpjax.nn.dot_product_attention}
+    ),
+    "fused loss": lambda k: k._replace(
+        module_kw={**k.module_kw, "head_bias": False, "hidden_only": True}, loss=_fused_loss
+    ),
     "fp8 saved activations": lambda k: k._replace(policy=k.policy.with_saved_activations(E4M3)),
     "remainder + bf16 state": lambda k: k._replace(state="bf16-remainder"),
 }
@@ -90,8 +93,8 @@ SWITCHES: dict[str, Callable[[Knobs], Knobs]] = {
 PENDING = ("fused attention", "fused loss")
 # row name -> LM_VARIANTS name (hand-written programs).
 ANCHORS = {
-    "anchor: hand-written bf16, XLA attention": "bf16",
-    "anchor: expert, cuDNN attention": "bf16-cudnn",
+    "anchor: hand-written bf16, XLA attention": "bf16-xla",
+    "anchor: expert, cuDNN attention": "bf16",
 }
 CATEGORIES = (
     "attention scores and probabilities (T x T)",
@@ -118,7 +121,9 @@ def _adamw():
 def program(cfg: dict, knobs: Knobs) -> TrainProgram:
     """The LM train step of `knobs` (`benchmarks/train_variants.lm_program`'s data)."""
     base = LM_VARIANTS["bf16"](cfg)  # batch() and the shapes
-    init_model = _lm(cfg, **knobs.module_kw)
+    # `hidden_only` (the fused loss) leaves the head to the loss: init makes it all the same
+    init_model = _lm(cfg, **{k: v for k, v in knobs.module_kw.items() if k != "hidden_only"})
+    apply_model = _lm(cfg, **knobs.module_kw)
     policy, tx = knobs.policy, _adamw()
     if knobs.state == "bf16-remainder":
         policy = policy.with_param_dtype(jnp.bfloat16)
@@ -129,7 +134,7 @@ def program(cfg: dict, knobs: Knobs) -> TrainProgram:
         )
     elif knobs.state != "f32":
         raise ValueError(f"Knobs.state={knobs.state!r}; use 'f32' or 'bf16-remainder'")
-    model = mpjax.apply_policy(init_model, policy)
+    model = mpjax.apply_policy(apply_model, policy)
     loss_fn = knobs.loss or _unfused_loss
     scaled = knobs.state != "f32"
 
@@ -200,7 +205,7 @@ def lm_category(cfg: dict, param_sizes: set[int]) -> Callable[[Buffer], str]:
 def measure(name: str, build: Callable, cfg: dict) -> dict:
     """One row: XLA's per-GPU temp and arguments, and the peak's attribution."""
     t0 = time.time()
-    compiled, state = compile_fsdp(build(cfg), make_mesh("1x1x8"))
+    _, compiled, state = compile_program(build(cfg), "h100x8")
     memory = compiled.memory_analysis()
     sizes = {int(np.prod(x.shape)) for x in jax.tree.leaves(state[0])}
     sizes |= {s // DEVICES for s in sizes if s % DEVICES == 0}
@@ -277,7 +282,8 @@ def table(results: list[dict], anchors: dict) -> tuple[list, list]:
 def compile_rows(quick: bool, only: tuple[str, ...] = ()) -> dict:
     """Every row (or those named in `only`) compiled and measured (needs the CUDA plugin)."""
     t0 = time.time()
-    cfg = config(quick)
+    size = "quickx8" if quick else "gpt2x8"
+    cfg = lm_config(LM_SIZES[size], size)
     results = []
     for name, build in rows().items():
         if only and name not in only:
@@ -307,52 +313,20 @@ def compile_rows(quick: bool, only: tuple[str, ...] = ()) -> dict:
     }
 
 
-def _start_gpu_aot(quick: bool, out: Path) -> subprocess.Popen:
-    """Starts this script's compile part under `$MPJAX_GPU_AOT_PYTHON` (no char-LM)."""
-    python = os.environ.get(ENV_PYTHON)
-    if not python:
-        raise SystemExit(f"memory_switches: set {ENV_PYTHON} (deviceless CUDA compile)")
-    cmd = [python, __file__, "--no-char-lm", "--json", str(out), *(["--quick"] if quick else [])]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def run(quick: bool = False) -> dict:
+    """The per-switch table (the suite's `memory-switches` case, on 8 deviceless H100s)."""
+    return compile_rows(quick)
 
 
-def run(quick: bool = False, char_lm_seeds: int = 1) -> dict:
-    """Every row, and the char-LM convergence row (the `benchmarks/run.py` entry).
-
-    Under a python without the CUDA plugin, the rows compile under `$MPJAX_GPU_AOT_PYTHON`
-    while the char-LM trains here (the gpu-aot environment has no example dependencies).
-    """
-    if plugin_available():
-        result = compile_rows(quick)
-        result["char_lm"] = char_lm(quick, char_lm_seeds) if char_lm_seeds else None
-        return result
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        proc = _start_gpu_aot(quick, out)
-        lm = char_lm(quick, char_lm_seeds) if char_lm_seeds else None
-        _, err = proc.communicate()
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"compile part exited with {proc.returncode}: {err[-2000:]!r}")
-        result = json.loads(out.read_text())
-    result["char_lm"] = lm
-    return result
-
-
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes")
-    parser.add_argument("--char-lm-seeds", type=int, default=2, help="seeds per char-LM mode")
-    parser.add_argument("--no-char-lm", action="store_true", help="skip the char-LM runs")
-    parser.add_argument("--json", default=None, help="write the figures to this file")
-    parser.add_argument("--rows", default="", help="only these rows (';'-separated; gpu-aot)")
-    args = parser.parse_args(argv)
-    seeds = 0 if args.no_char_lm else args.char_lm_seeds
-    if args.rows:
-        only = tuple(r.strip() for r in args.rows.split(";") if r.strip())
-        return emit(compile_rows(args.quick, only), args.json)
-    return emit(run(args.quick, seeds), args.json)
-
-
-if __name__ == "__main__":
-    main()
+def run_char_lm(quick: bool = False, seeds: int = 1) -> dict:
+    """The char-LM convergence row as a table (the suite's `memory-switches-char-lm` case)."""
+    lm = char_lm(quick, seeds)
+    rows = [[k, round(v["mean"], 4), v["bits_per_byte"]] for k, v in lm["runs"].items()]
+    return {
+        "title": "char-LM validation bits/byte, bf16 with and without fp8 saved activations",
+        "columns": ["mode", "bits/byte (mean)", "runs"],
+        "rows": rows,
+        "notes": f"{lm['steps']} steps, {seeds} seed(s); fp8 / bf16 = {lm['ratio']:.4f}; "
+        f"{lm['command']}",
+        "details": lm,
+    }

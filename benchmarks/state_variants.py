@@ -56,11 +56,34 @@ def _scaled(module_fn, loss_scale=None, **kw):
     return _lm_with(module_fn, tx=mpjax.loss_scaled(_adamw(), loss_scale, **kw), scaled=True)
 
 
-def _bf16_params(master_weights: str):
-    """bf16-stored params (policy `param_dtype=bfloat16`) with `loss_scaled`'s master."""
+def fsdp_block_size(shape: tuple, n: int = 8) -> int:
+    """int8 state blocks (along the last axis) that the FSDP split never cuts.
+
+    A divisor of each device's piece of the last axis when that axis is the one split
+    (`harness._fsdp_spec`), else up to 256.
+    """
+    from benchmarks.harness import _fsdp_spec
+
+    last = shape[-1] if shape else 1
+    spec = _fsdp_spec(tuple(shape), n, "fsdp")
+    split = bool(shape) and len(spec) == len(shape) and spec[-1] == "fsdp"
+    piece = last // n if split else last
+    return max(b for b in range(1, min(256, piece) + 1) if piece % b == 0)
+
+
+def _bf16_params(master_weights: str, state=None):
+    """bf16-stored params (policy `param_dtype=bfloat16`) with `loss_scaled`'s master.
+
+    `state`: None (float32 Adam state), `jnp.bfloat16` or `jnp.int8` (`low_precision_state`;
+    int8 blocks of `fsdp_block_size`, so no block straddles two devices).
+    """
 
     def build(cfg):
-        tx = mpjax.loss_scaled(_adamw(), mpjax.NoOpLossScale(), master_weights=master_weights)
+        inner = _adamw()
+        if state is not None:
+            kw = {"block_size": fsdp_block_size} if state == jnp.int8 else {}
+            inner = mpjax.low_precision_state(inner, state, **kw)
+        tx = mpjax.loss_scaled(inner, mpjax.NoOpLossScale(), master_weights=master_weights)
         model = lambda c: mpjax.apply_policy(_lm(c), BF16_PARAMS)  # noqa: E731
         program = _lm_with(model, tx=tx, scaled=True)(cfg)
 
@@ -81,6 +104,8 @@ MULTI_LM_VARIANTS = MappingProxyType(
         "fp16-scaled-pallas": _scaled(lambda c: mpjax.apply_policy(_lm(c), FP16), impl="pallas"),
         "bf16-params-master": _bf16_params("auto"),
         "bf16-params-remainder": _bf16_params("remainder"),
+        "bf16-params-remainder-bf16-state": _bf16_params("remainder", jnp.bfloat16),
+        "bf16-params-remainder-int8-state": _bf16_params("remainder", jnp.int8),
     }
 )
 MULTI_RESNET_VARIANTS = MappingProxyType(

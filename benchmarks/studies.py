@@ -45,6 +45,12 @@ def memory_convergence(case, quick: bool) -> dict:
     return memory_convergence.run(quick)
 
 
+def memory_switches_char_lm(case, quick: bool) -> dict:
+    from benchmarks import memory_switches
+
+    return memory_switches.run_char_lm(quick)
+
+
 # (table, target, measure)
 STUDIES = (
     ("policy-cpu", "cpu", _script("policy_cost")),
@@ -55,5 +61,9 @@ STUDIES = (
     ("reduce-dtype", "cpu", _script("reduce_dtype")),
     ("reduce-dtype-h100", "h100x8", reduce_dtype_h100),
     ("convergence", "cpu", memory_convergence),
+    # Issue 29: per-GPU memory by switch (GPT-2 FSDP), the fused loss alone, the char-LM row.
+    ("memory-switches", "h100x8", _script("memory_switches")),
+    ("memory-switches-char-lm", "cpu", memory_switches_char_lm),
+    ("lce-loss", "h100x8", _script("lce_loss")),
     ("kernels-gpu", "gpu", _script("kernels_gpu")),
 )

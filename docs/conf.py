@@ -25,8 +25,8 @@ from benchmarks.tables import write_docs  # noqa: E402
 # The performance and memory pages' tables and plots are generated on every build from
 # benchmarks/results.json, which one command writes: `python benchmarks/run.py`.
 write_docs(ROOT / "benchmarks" / "results.json", DOCS / "_generated")
-# The memory guide's "where the memory goes" section, from `python benchmarks/memory_switches.py`.
-write_memory_switch_tables(ROOT / "benchmarks" / "memory_switches.json", DOCS / "_generated")
+# The memory guide's "where the memory goes" section, from the suite's `memory-switches` case.
+write_memory_switch_tables(ROOT / "benchmarks" / "results.json", DOCS / "_generated")
 
 project = "mpjax"
 author = "mpjax authors"

@@ -1,10 +1,10 @@
-"""Writes the memory guide's "where the memory goes" tables from `benchmarks/memory_switches.json`.
+"""Writes the memory guide's "where the memory goes" tables from the suite's results file.
 
-Every figure comes from the JSON that one run of
-`python benchmarks/memory_switches.py --json benchmarks/memory_switches.json`
-writes (run by conf.py); one Markdown file lands in `docs/_generated/` (git-ignored).
+Every figure comes from the `memory-switches` and `memory-switches-char-lm` records of
+`benchmarks/results.json` (`python benchmarks/run.py --only memory-switches --resume`);
+conf.py runs this at every build; the Markdown lands in `docs/_generated/` (git-ignored).
 
-    python docs/memory_switch_tables.py benchmarks/memory_switches.json docs/_generated
+    python docs/memory_switch_tables.py benchmarks/results.json docs/_generated
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def char_lm_section(result: dict) -> str:
     """Validation bits/byte of the char-LM example with and without fp8 saved activations."""
     c = result.get("char_lm")
     if not c:
-        return "The char-LM runs were skipped in this run (`--no-char-lm`).\n"
+        return "(the `memory-switches-char-lm` case is not in the results file)\n"
     rows = [
         [label, f"{v['mean']:.4f}", ", ".join(f"{x:.4f}" for x in v["bits_per_byte"])]
         for label, v in c["runs"].items()
@@ -79,13 +79,23 @@ def char_lm_section(result: dict) -> str:
     )
 
 
-def write_memory_switch_tables(json_path: Path, out_dir: Path) -> list[Path]:
-    """Writes `memory_switches.md` from the JSON (a note when it is missing)."""
+def _figures(records: list[dict], table: str) -> dict | None:
+    ok = [r for r in records if r["table"] == table and r["status"] == "ok"]
+    return ok[0]["figures"] if ok else None
+
+
+def write_memory_switch_tables(results_path: Path, out_dir: Path) -> list[Path]:
+    """Writes `memory_where.md` and `memory_switches.md` (a note where the case is missing)."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    if not Path(json_path).exists():
-        text = f"(not generated: run `benchmarks/memory_switches.py --json {json_path}`)\n"
+    records = (
+        json.loads(Path(results_path).read_text())["records"] if Path(results_path).exists() else []
+    )
+    result = _figures(records, "memory-switches")
+    if result is None:
+        text = "(not generated: run `python benchmarks/run.py --only memory-switches --resume`)\n"
         return write_pages(out_dir, {"memory_where": text, "memory_switches": text})
-    result = json.loads(Path(json_path).read_text())
+    char_lm = _figures(records, "memory-switches-char-lm")
+    result = {**result, "char_lm": char_lm and {**char_lm["details"]}}
     pages = {
         "memory_where": where_section(result),
         "memory_switches": switch_section(result) + "\n" + char_lm_section(result),

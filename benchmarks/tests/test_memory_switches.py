@@ -32,3 +32,40 @@ def test_categories_by_shape():
     assert cat(buf("f8e4m3fn", (tokens, 16))) == "fp8 saved activations"
     assert cat(buf("bf16", (5, 16))) == "weight copies"
     assert cat(buf("s32", (3,))) == "other"
+
+
+def test_issue29_switches_and_both_anchors_are_in_the_suite():
+    from benchmarks.cases import CASES, MODELS
+
+    assert list(ms.SWITCHES)[:2] == ["fused attention", "fused loss"]
+    assert all(ms.rows()[f"+ {n}"] is not None for n in ms.PENDING)
+    assert set(ms.ANCHORS.values()) <= set(MODELS["lm"].variants)
+    tables = {c.table for c in CASES}
+    assert {"memory-switches", "memory-switches-char-lm", "lce-loss"} <= tables
+
+
+def test_int8_fsdp_blocks_never_straddle_devices():
+    from benchmarks.state_variants import fsdp_block_size
+
+    assert fsdp_block_size((768, 3072)) == 192  # 3072 split by 8: 384 per device
+    assert fsdp_block_size((1024, 768)) == 256  # the first axis is split: the last is whole
+    assert fsdp_block_size((50304, 8)) == 8
+    assert fsdp_block_size((40,)) == 5  # 40 split by 8
+
+
+def test_docs_read_the_switch_table_from_the_results_file(tmp_path):
+    import json
+
+    from docs.memory_switch_tables import write_memory_switch_tables
+
+    anchor = {"row": "anchor: hand-written bf16, XLA attention", "walk_peak_bytes": 2**30}
+    anchor.update(temp_bytes=2**30, argument_bytes=2**29, by_category={"other": 2**30})
+    figures = {"columns": ["step"] + ["c"] * 6, "rows": [["r"] * 7], "notes": "n"}
+    records = [
+        {"table": "memory-switches", "status": "ok", "figures": {**figures, "details": [anchor]}}
+    ]
+    (tmp_path / "results.json").write_text(json.dumps({"records": records}))
+    paths = write_memory_switch_tables(tmp_path / "results.json", tmp_path / "out")
+    where, switches = (p.read_text() for p in paths)
+    assert "1.00" in where and "0.50" in where
+    assert "| r |" in switches and "memory-switches-char-lm" in switches
