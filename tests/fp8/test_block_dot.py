@@ -128,3 +128,26 @@ def test_native_lowering_computes_what_the_emulated_one_does(scaling, monkeypatc
     for got, want in zip(native, emulated, strict=True):
         scale = float(jnp.abs(want).max())
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * scale, rtol=1e-5)
+
+
+def test_several_contracted_axes_pair_in_the_given_order():
+    # dims contract a's axes (1, 2) with b's (1, 0): b transposed to pair them in sorted
+    # order is the same product, with the same blocks (K flattened in pairing order).
+    a = jax.random.normal(jax.random.key(0), (4, 2, 48))
+    b = jax.random.normal(jax.random.key(1), (48, 2, 5))
+    b_sorted = jnp.transpose(b, (1, 0, 2))
+    recipe = Fp8Recipe(scaling="mxfp8")
+
+    def loss(a, b, dims):
+        out = block_scaled_dot_general(a, b, (dims, ((), ())), recipe, F32)
+        return jnp.sum(jnp.sin(out))
+
+    val, (da, db) = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)(
+        a, b, ((1, 2), (1, 0))
+    )
+    val2, (da2, db2) = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)(
+        a, b_sorted, ((1, 2), (0, 1))
+    )
+    np.testing.assert_array_equal(np.asarray(val), np.asarray(val2))
+    np.testing.assert_array_equal(np.asarray(da), np.asarray(da2))
+    np.testing.assert_array_equal(np.asarray(db), np.asarray(jnp.transpose(db2, (1, 0, 2))))

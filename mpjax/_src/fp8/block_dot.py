@@ -97,6 +97,14 @@ def _as_rows(x: jax.Array, contract: tuple[int, ...]) -> jax.Array:
     return x.reshape(-1, k)
 
 
+def _contracted_rows(x: jax.Array, contract: tuple[int, ...]) -> jax.Array:
+    """`x` as a 2-D `[contracted, free]` array, the contracted axes flattened in `contract`'s
+    order (the order the forward product pairs them in)."""
+    free = [i for i in range(x.ndim) if i not in contract]
+    k = int(np.prod([x.shape[i] for i in contract]))
+    return jnp.transpose(x, list(contract) + free).reshape(k, -1)
+
+
 def _rows_scales(bq) -> jax.Array:
     """Per-row 1-D block scales of a `[rows, K]` `BlockQuantized` (2-D blocks repeated)."""
     rows = bq.data.shape[0]
@@ -226,13 +234,14 @@ def block_scaled_dot_general(
         na = a.ndim - len(lc)
         g_rows = g.reshape(int(np.prod(g.shape[:na])), -1)  # [M, N]
         # input gradient: g [M, N] . (w as [K, N])^T, both quantised along N
-        b_kn = _as_rows(b, tuple(i for i in range(b.ndim) if i not in rc))  # [K, N]
+        # K flattened in the forward's pairing order (rc's / lc's order, not sorted)
+        b_kn = _contracted_rows(b, rc)  # [K, N]
         da = _gemm(recipe, g_rows, b_kn, ("gradient", w_role), native, compute)
         a_free = [i for i in range(a.ndim) if i not in lc]
         da = da.reshape([a.shape[i] for i in a_free] + [a.shape[i] for i in lc])
         da = jnp.transpose(da, np.argsort(a_free + list(lc)))
         # weight gradient: (w free) x (w contracted): g^T [N, M] . (a as [K, M])^T along M
-        a_km = _as_rows(a, tuple(a_free))  # [K, M]
+        a_km = _contracted_rows(a, lc)  # [K, M]
         g_nm, key = g_rows.T, None
         if nvfp4:  # Hadamard-rotate both along the tokens; round the gradient stochastically
             key = _gradient_key(g)
