@@ -177,6 +177,6 @@ def digits(quick: bool = False, seeds: int = 10) -> dict:
     return {"steps": config.steps, "seeds": seeds, "test_images": len(data.y_test), "rows": rows}
 
 
-def run(quick: bool = False, char_lm_seeds: int = 2, digits_seeds: int = 10) -> dict:
+def run(quick: bool = False, char_lm_seeds: int = 1, digits_seeds: int = 5) -> dict:
     """Both examples' convergence sections."""
     return {"char_lm": char_lm(quick, char_lm_seeds), "digits": digits(quick, digits_seeds)}

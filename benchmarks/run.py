@@ -55,28 +55,25 @@ def _header(argv: list[str]) -> dict:
     return {"command": " ".join(["python benchmarks/run.py", *shown]), "machine": machine_info()}
 
 
-def _delegate(names: list[str], args) -> str | None:
-    """Runs `names` under `$MPJAX_GPU_AOT_PYTHON` in `args.jobs` child processes and adds
-    their records to the results file; returns why not if it cannot."""
+def _start_children(names: list[str], args) -> tuple[list, str | None]:
+    """Starts `names` under `$MPJAX_GPU_AOT_PYTHON` in `args.jobs` child processes (each
+    writing a part file of the results file); returns them, or why not if it cannot."""
     python = os.environ.get(ENV_PYTHON)
     if not python:
-        return (
+        return [], (
             f"deviceless H100 compile unavailable: no CUDA plugin here and {ENV_PYTHON} is not "
             "set (see CONTRIBUTING.md, the gpu-aot environment)"
         )
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    parts = [args.json.with_suffix(f".part{i}.json") for i in range(args.jobs)]
     procs = []
-    for i, part in enumerate(parts):
+    for i in range(min(args.jobs, len(names))):
+        part = args.json.with_suffix(f".part{i}.json")
         part.unlink(missing_ok=True)  # an interrupted run's: merged first by --resume
         cmd = [python, str(Path(__file__).resolve()), "--child", "--json", str(part)]
         cmd += ["--only", ",".join(names[i :: args.jobs])] + ["--quick"] * args.quick
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
-    for proc in procs:
-        proc.wait()
-    _merge_parts(args.json)
-    return None
+    return procs, None
 
 
 def _merge_parts(path: Path) -> None:
@@ -152,20 +149,25 @@ def main(argv: list[str] | None = None) -> int:
     here = plugin_available()
     local = [c for c in cases if here or not harness.needs_cuda_plugin(c)]
     remote = [c for c in cases if c not in local]
-    header = _header(argv)
-    results = harness.run_cases(local, MODELS, args.quick, args.json, header, args.resume)
     if args.resume:  # the children start from empty files: skip what is already ok here
-        done = {r["name"] for r in results["records"] if r["status"] == "ok"}
+        done = {
+            r["name"] for r in harness.load_results(args.json)["records"] if r["status"] == "ok"
+        }
         remote = [c for c in remote if c.name not in done]
-    if remote:
-        why = _delegate([c.name for c in remote], args)
-        if why:
-            results = harness.load_results(args.json)
-            skipped = [harness.record_of(c, None, 0.0, "skipped", why) for c in remote]
-            by_name = {r["name"]: r for r in results["records"]}
-            by_name.update({r["name"]: r for r in skipped if r["name"] not in by_name})
-            results["records"] = list(by_name.values())
-            harness.save_results(args.json, results)
+    # The children compile the H100 cases while this process runs the local ones.
+    procs, why = _start_children([c.name for c in remote], args) if remote else ([], None)
+    header = _header(argv)
+    harness.run_cases(local, MODELS, args.quick, args.json, header, args.resume)
+    for proc in procs:
+        proc.wait()
+    _merge_parts(args.json)
+    if why:
+        results = harness.load_results(args.json)
+        skipped = [harness.record_of(c, None, 0.0, "skipped", why) for c in remote]
+        by_name = {r["name"]: r for r in results["records"]}
+        by_name.update({r["name"]: r for r in skipped if r["name"] not in by_name})
+        results["records"] = list(by_name.values())
+        harness.save_results(args.json, results)
     results = harness.load_results(args.json)
     known = {c.name for c in CASES}  # records of cases no longer registered are dropped
     order = {c.name: i for i, c in enumerate(CASES)}  # registration order, whatever the jobs
