@@ -1,8 +1,9 @@
 """mpjax's layers: each `mpjax._src` package imports only its own layer and the layers below it.
 
 Bottom to top (CONTRIBUTING.md): `core` (the policy value type, dtype helpers; no Flax);
-`fp8` (quantisation and the fp8 `dot_general`, pure JAX), `kernels` (Pallas) and `analysis`
-(HLO reading, deviceless targets), side by side and independent; `autocast` (the jaxpr rewrite,
+`kernels` (Pallas) and `analysis` (HLO reading, deviceless targets), side by side and
+independent; `fp8` (quantisation and the fp8 `dot_general`; its blockwise GEMMs call a
+kernel); `autocast` (the jaxpr rewrite,
 its op lists and fp8 hook); `scaling` (loss scales, `loss_scaled`); `flax` (the only layer that
 imports Flax: linen/NNX policies, delayed-fp8 modules, model state, `ConvBN`); `inference`;
 `report` (`mpjax.report` and `mpjax.numerics`, built on `analysis`; no Flax).
@@ -21,14 +22,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "core": 0,
-    "fp8": 1,
     "kernels": 1,
     "analysis": 1,
-    "autocast": 2,
-    "scaling": 3,
-    "flax": 4,
-    "inference": 5,
-    "report": 6,
+    "fp8": 2,
+    "autocast": 3,
+    "scaling": 4,
+    "flax": 5,
+    "inference": 6,
+    "report": 7,
 }
 FLAX_LAYERS = {"flax", "inference"}
 
@@ -151,7 +152,7 @@ def test_no_cycle_between_layers():
     "module,line,expected",
     [
         ("core/policy.py", "from mpjax._src.flax import apply", "not a layer below"),
-        ("fp8/dot.py", "from mpjax._src.kernels import common", "not a layer below"),
+        ("kernels/common.py", "from mpjax._src.fp8 import dot", "not a layer below"),
         ("scaling/checks.py", "import flax.linen", "only ['flax', 'inference'] import Flax"),
         ("autocast/rules.py", "from mpjax.policy import Policy", "imports the public module"),
         ("kernels/stats.py", "    from mpjax._src.autocast import autocast", "not a layer below"),

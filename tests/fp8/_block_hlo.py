@@ -1,9 +1,10 @@
 """Deviceless B200 and H100 compiles for tests/fp8/test_block_gpu.py (under the gpu-aot python).
 
-Writes one JSON object to `--json PATH`: for each block-scaled recipe and target, the GEMM
-FLOPs by operand dtype of the optimized HLO of one training step (loss and gradients) of a
-small pre-LN transformer LM (attention, MLP, vocabulary head) under
-`autocast(..., "bfloat16", fp8=recipe)`.
+Writes one JSON object to `--json PATH`: for each block-scaled recipe and target (MXFP8 and
+NVFP4 on the B200, blockwise on the H100), the GEMMs of the optimized HLO of one training
+step (loss and gradients) of a small pre-LN transformer LM (attention, MLP, vocabulary head)
+under `autocast(..., "bfloat16", fp8=recipe)`: their FLOPs by operand dtype (`flops`) and
+each GEMM's operand dtypes and name stack (`gemms`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import mpjax  # noqa: E402
 from mpjax._src.analysis import hlo_cost  # noqa: E402
-from mpjax._src.analysis.target import B200_TARGET, h100_topology  # noqa: E402
+from mpjax._src.analysis.target import B200_TARGET, H100_TARGET, h100_topology  # noqa: E402
 
 B, T, D, H, V = 4, 128, 512, 4, 2048
 
@@ -51,21 +52,24 @@ SHAPES = {
 }
 
 
-def gemm_flops(target: Path, scaling: str) -> dict:
+def step_gemms(target: Path, scaling: str) -> dict:
     sharding = jax.sharding.SingleDeviceSharding(h100_topology(target=target).devices[0])
     recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering="native", min_dim=64)
     loss = mpjax.autocast(lm_loss, "params=float32,compute=bfloat16,output=float32", fp8=recipe)
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for k, s in SHAPES.items()}
     tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding)
     compiled = jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower().compile()
-    return dict(hlo_cost.analyze(compiled.as_text()).gemm_flops)
+    report = hlo_cost.analyze(compiled.as_text())
+    gemms = [[g.lhs_dtype, g.rhs_dtype, g.op_name] for g in report.gemms]
+    return {"flops": dict(report.gemm_flops), "gemms": gemms}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
-    out = {f"b200/{s}": gemm_flops(B200_TARGET, s) for s in ("mxfp8", "nvfp4")}
+    out = {f"b200/{s}": step_gemms(B200_TARGET, s) for s in ("mxfp8", "nvfp4")}
+    out["h100/blockwise"] = step_gemms(H100_TARGET, "blockwise")
     Path(args.json).write_text(json.dumps(out, indent=1))
 
 

@@ -1,15 +1,19 @@
-"""Block-scaled recipes compile to native block-scaled GEMMs for a deviceless B200.
+"""Block-scaled recipes compile to native block-scaled GEMMs: B200 (MXFP8, NVFP4), H100
+(blockwise).
 
 `tests/fp8/_block_hlo.py` runs under the python named by `$MPJAX_GPU_AOT_PYTHON` (the
 `gpu-aot` wheels, no GPU needed) and compiles one training step of a small transformer LM
-under `autocast(..., fp8=Fp8Recipe(scaling, block_lowering="native"))` for the B200 target
-(cuDNN 9.10): the GEMMs become `__cudnn$blockScaledDot` custom calls.
+under `autocast(..., fp8=Fp8Recipe(scaling, block_lowering="native"))`: for the B200 target
+(cuDNN 9.10) the GEMMs become `__cudnn$blockScaledDot` custom calls; for the H100 target
+blockwise's become mpjax's Pallas kernel (fp8 GEMMs promoted per 128-wide K block).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from mpjax._src.analysis.hlo_cost import BLOCKWISE_GEMM
+from mpjax._src.kernels.blockwise_gemm import KERNEL_NAME
 from tests.helpers.gpu import _run_json
 
 BLOCK_DTYPES = {"mxfp8": "f8e4m3fn", "nvfp4": "f4e2m1fn"}
@@ -23,8 +27,28 @@ def flops(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
 def test_b200_step_runs_90_percent_of_gemm_flops_block_scaled(flops, scaling):
-    by_dtype = flops[f"b200/{scaling}"]
+    by_dtype = flops[f"b200/{scaling}"]["flops"]
     block = by_dtype.get(BLOCK_DTYPES[scaling], 0)
     total = sum(by_dtype.values())
     # the rest: attention's batched products (bf16) and NVFP4's Hadamard transforms
     assert block / total >= 0.9, by_dtype
+
+
+# The LM's dense GEMMs: qkv, proj, up, down, head, each forward, input and weight gradient.
+DENSE_GEMMS = 5 * 3
+
+
+@pytest.mark.slow
+def test_h100_step_runs_every_dense_gemm_of_blockwise_in_fp8(flops):
+    step = flops["h100/blockwise"]
+    kernels = [g for g in step["gemms"] if BLOCKWISE_GEMM in g[2]]
+    assert len(kernels) == DENSE_GEMMS, step["gemms"]
+    assert all(g[:2] == ["f8e4m3fn", "f8e4m3fn"] for g in kernels), kernels
+    # every other GEMM is attention's batched product (vmap'd einsums over heads)
+    others = [g for g in step["gemms"] if g not in kernels]
+    assert others and all("vmap(" in g[2] for g in others), others
+    assert step["flops"]["f8e4m3fn"] > 0.9 * sum(step["flops"].values())
+
+
+def test_the_cost_model_knows_the_kernel_by_its_name():
+    assert BLOCKWISE_GEMM == KERNEL_NAME

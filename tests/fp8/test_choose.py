@@ -46,8 +46,8 @@ def test_b200_small_gemm_stays_in_bf16_large_takes_the_block_format(scaling):
     )
 
 
-@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4", "blockwise"])
-def test_h100_never_picks_a_block_format_but_picks_tensorwise(scaling):
+@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
+def test_h100_never_picks_mx_or_nvfp4_but_picks_tensorwise(scaling):
     recipe = Fp8Recipe(scaling, choose="roofline", target="h100")
     large = _op(recipe, 8192, 8192, 8192)
     assert large.fp8 and large.lowering == "fp8 tensorwise"
@@ -55,6 +55,18 @@ def test_h100_never_picks_a_block_format_but_picks_tensorwise(scaling):
     program = _program(recipe, 8192, 8192, 8192)
     assert "float8_e4m3fn" in program and "float8_e5m2" in program  # tensorwise's formats
     assert "e8m0" not in program and "float4" not in program
+    assert not _op(recipe, 128, 128, 128).fp8
+
+
+def test_h100_picks_blockwise_where_it_pays():
+    # blockwise runs natively on Hopper (fp8 GEMMs promoted per K block: mpjax's kernel);
+    # one fused quantise pass per tensor beats tensorwise's amax + quantise passes
+    recipe = Fp8Recipe("blockwise", choose="roofline", target="h100")
+    large = _op(recipe, 8192, 8192, 8192)
+    assert large.fp8 and large.lowering.endswith(" blockwise"), large
+    assert large.choice.startswith("pays on h100") and "no native" not in large.choice
+    times = dict(part.rsplit(" ", 2)[:2] for part in large.choice.split(": ", 1)[1].split(", "))
+    assert float(times["blockwise"]) < float(times["tensorwise"]) < float(times["bfloat16"])
     assert not _op(recipe, 128, 128, 128).fp8
 
 

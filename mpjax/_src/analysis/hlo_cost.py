@@ -69,6 +69,9 @@ PEAK_FLOPS = {  # dense tensor-core FLOP/s by operand dtype
     "f64": 67e12,
 }
 PEAK_VECTOR = 67e12  # float32, non-tensor-core
+# The name of mpjax's blockwise fp8 GEMM kernel (`mpjax._src.kernels.blockwise_gemm`, a layer
+# this one does not import; a test ties the two): its FLOPs count as fp8 GEMM FLOPs.
+BLOCKWISE_GEMM = "mpjax_blockwise_fp8_gemm"
 
 # Instructions that launch nothing (aliasing, tuples, constants folded into the binary).
 _FREE = {
@@ -216,6 +219,10 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict, prefix: str = "") -> None
         elif target == "__cudnn$blockScaledDot":  # [B, M, K] x [B, N, K] -> [B, M, N]
             flops = 2 * math.prod(instr.shapes[0][1]) * ops[0][1][-1]
             _record(out, instr, "gemm", ops, flops, prefix)
+        elif "triton" in target and f'name = "{BLOCKWISE_GEMM}"' in instr.attrs:
+            # mpjax's blockwise fp8 GEMM: a [M, K], scales, b [N, K], scales -> [M, N]
+            flops = 2 * math.prod(instr.shapes[0][1]) * ops[0][1][-1]
+            _record(out, instr, "gemm", (ops[0], ops[2]), flops, prefix)
         elif target.startswith("__cudnn$conv"):
             result = instr.shapes[0]
             if "BackwardInput" in target:

@@ -1,7 +1,8 @@
 """`block_scaled_dot_general`: a `dot_general` whose three GEMMs see block-scaled operands.
 
-The reference (emulated) lowering of the `"mxfp8"`, `"nvfp4"` and `"blockwise"` recipes:
-each operand of each GEMM (the forward one and both backward ones) is quantised with
+The lowerings of the `"mxfp8"`, `"nvfp4"` and `"blockwise"` recipes. Native: cuDNN
+block-scaled GEMMs (MXFP8, NVFP4 on Blackwell) or fp8 GEMMs promoted per 128-wide K block
+(blockwise, a Pallas kernel for Hopper). Emulated (the reference, any device): each operand of each GEMM (the forward one and both backward ones) is quantised with
 `quantize_blocks` along that GEMM's contraction axis, dequantised to the compute dtype and
 multiplied with float32 accumulation. The numbers are those of a native block-scaled GEMM
 (block scales are exact factors of the products); the speed is that of the compute dtype
@@ -30,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS, dequantize_blocks, quantize_blocks
 from mpjax._src.fp8.recipe import Fp8Recipe
+from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm
 
 __all__ = ["block_scaled_dot_general", "native_block_gemms", "random_hadamard"]
 
@@ -75,18 +77,20 @@ def _gradient_key(g: jax.Array) -> jax.Array:
 def native_block_gemms(recipe: Fp8Recipe) -> bool:
     """Whether `recipe`'s GEMMs lower to native block-scaled GEMMs (else emulated).
 
-    `recipe.block_lowering="native"` asks for them (cuDNN block-scaled GEMMs through
-    `jax.nn.scaled_matmul`: MXFP8 and NVFP4 on Blackwell), `"emulated"` for the
-    dequantised form; `"auto"` picks native when JAX's default device is a GPU of compute
-    capability 10 or above and the recipe is MXFP8 or NVFP4.
+    `recipe.block_lowering="native"` asks for them: for MXFP8 and NVFP4 cuDNN block-scaled
+    GEMMs through `jax.nn.scaled_matmul` (Blackwell), for blockwise fp8 tensor-core GEMMs
+    promoted per 128-wide K block (`mpjax._src.kernels.blockwise_gemm`, a Pallas kernel:
+    Hopper and later); `"emulated"` asks for the dequantised form; `"auto"` picks native
+    when JAX's default device is a GPU of compute capability 10 or above (MXFP8, NVFP4) or
+    8.9 or above (blockwise).
     """
     mode = getattr(recipe, "block_lowering", "auto")
     if mode != "auto":
         return mode == "native"
-    if recipe.scaling == "blockwise" or jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu":
         return False
-    capability = getattr(jax.devices()[0], "compute_capability", "0")
-    return float(capability) >= 10
+    capability = float(getattr(jax.devices()[0], "compute_capability", "0"))
+    return capability >= (8.9 if recipe.scaling == "blockwise" else 10)
 
 
 def _as_rows(x: jax.Array, contract: tuple[int, ...]) -> jax.Array:
@@ -122,6 +126,10 @@ def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
         # out in the compute dtype (float32 accumulation on GPUs): XLA:CPU has no bf16 x bf16
         # -> f32 dot, and the result is rounded to the compute dtype anyway
         return lax.dot_general(da, db, (((1,), (1,)), ((), ())), preferred_element_type=compute)
+    if recipe.scaling == "blockwise":  # fp8 GEMMs promoted per K block (Pallas, Hopper)
+        return blockwise_fp8_gemm(
+            qa.data, _rows_scales(qa), qb.data, _rows_scales(qb), out_dtype=compute
+        )
     k = a.shape[1]
     pad = [(0, 0), (0, -k % qa.block[1])]
     out = jax.nn.scaled_matmul(

@@ -1,0 +1,188 @@
+"""Blockwise-scaled fp8 GEMM (DeepSeek-V3's recipe) as fp8 tensor-core GEMMs on Hopper.
+
+`a @ b.T` for fp8 operands whose scales change every 128 elements along the contraction
+axis `K` (1x128 tiles of activations and gradients; 128x128 weight blocks, given here as
+their rows' scales). No GEMM library XLA calls takes such scales on Hopper, so the kernel
+does what DeepGEMM does: for each 128-wide slice of `K` it runs one fp8 x fp8 tensor-core
+product into float32 and promotes it, multiplied by the slice's row and column scales, into
+a float32 accumulator (one Triton program per 128x128 output tile). The XLA reference
+dequantises both operands to float32 and multiplies them (the same sum, in another order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from mpjax._src.kernels.common import MAX_ELEMENTS, next_pow2
+from mpjax._src.kernels.dispatch import dispatch
+
+__all__ = [
+    "BLOCK_K",
+    "KERNEL_NAME",
+    "blockwise_fp8_gemm",
+    "blockwise_fp8_gemm_reference",
+]
+
+BLOCK_K = 128
+# The Pallas call's name in the compiled program (mpjax's cost model counts its FLOPs).
+KERNEL_NAME = "mpjax_blockwise_fp8_gemm"
+_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+_F32 = jnp.float32
+_MIN_CAPABILITY = 8.9  # fp8 tensor cores: Ada, Hopper and later
+
+
+def _check(a, a_scales, b, b_scales) -> None:
+    """Raises a ValueError naming the argument whose dtype or shape is off."""
+    for name, x in (("a", a), ("b", b)):
+        if np.dtype(x.dtype) not in _FP8 or np.ndim(x) != 2:
+            raise ValueError(
+                f"blockwise_fp8_gemm: {name} must be a 2-D float8_e4m3fn or float8_e5m2 "
+                f"array, got {x.dtype}{tuple(np.shape(x))}"
+            )
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"blockwise_fp8_gemm: a {tuple(a.shape)} and b {tuple(b.shape)} must share K "
+            "(their second axis): the product is a @ b.T"
+        )
+    blocks = -(-a.shape[1] // BLOCK_K)
+    for name, s, x in (("a_scales", a_scales, a), ("b_scales", b_scales, b)):
+        if tuple(np.shape(s)) != (x.shape[0], blocks) or np.dtype(s.dtype) != np.float32:
+            raise ValueError(
+                f"blockwise_fp8_gemm: {name} must be float32 of shape "
+                f"{(x.shape[0], blocks)} (a row's scale per {BLOCK_K} elements of K), got "
+                f"{s.dtype}{tuple(np.shape(s))}"
+            )
+
+
+def _unsupported(a, b) -> str | None:
+    """Why the kernel cannot take these inputs here, or None."""
+    if max(a.size, b.size) >= MAX_ELEMENTS:
+        return f"operands of {max(a.size, b.size)} elements (int32 offsets)"
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:  # no GPU backend: a deviceless compile targets Hopper (sm_90)
+        return None
+    low = [d for d in gpus if float(getattr(d, "compute_capability", 0)) < _MIN_CAPABILITY]
+    return f"no fp8 tensor cores on {low[0].device_kind}" if low else None
+
+
+def blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, *, out_dtype=_F32) -> jax.Array:
+    """The XLA reference of `blockwise_fp8_gemm`: both operands dequantised, one float32 GEMM."""
+    _check(a, a_scales, b, b_scales)
+    k = a.shape[1]
+
+    def dequantize(x, s):
+        return x.astype(_F32) * jnp.repeat(s, BLOCK_K, axis=1)[:, :k]
+
+    out = lax.dot_general(
+        dequantize(a, a_scales),
+        dequantize(b, b_scales),
+        (((1,), (1,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=_F32,
+    )
+    return out.astype(out_dtype)
+
+
+def _kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, num_blocks: int):
+    """One output tile: per 128-wide K slice, an fp8 GEMM promoted with its scales."""
+    bm, bn = a_ref.shape[0], b_ref.shape[0]
+
+    def body(kb, acc):
+        k = pl.ds(pl.multiple_of(kb * BLOCK_K, BLOCK_K), BLOCK_K)
+        part = lax.dot_general(
+            a_ref[:, k], b_ref[:, k], (((1,), (1,)), ((), ())), preferred_element_type=_F32
+        )
+        row_scales = as_ref[pl.ds(kb, 1), :].reshape(bm, 1)
+        return acc + part * row_scales * bs_ref[pl.ds(kb, 1), :]
+
+    acc = lax.fori_loop(0, num_blocks, body, jnp.zeros((bm, bn), _F32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _tile(n: int) -> int:
+    """The output tile along an axis of `n`: 128 (a Hopper tensor-core tile), less for small n."""
+    return min(128, max(16, next_pow2(n)))
+
+
+def _pallas_gemm(a, a_scales, b, b_scales, *, out_dtype, interpret: bool) -> jax.Array:
+    (m, k), n = a.shape, b.shape[0]
+    bm, bn = _tile(m), _tile(n)
+    blocks = a_scales.shape[1]
+    pad_m, pad_n, pad_k = -m % bm, -n % bn, blocks * BLOCK_K - k
+    a = jnp.pad(a, ((0, pad_m), (0, pad_k))) if pad_m or pad_k else a
+    b = jnp.pad(b, ((0, pad_n), (0, pad_k))) if pad_n or pad_k else b
+    # scales transposed: a K block's scales are one contiguous row of a tile
+    a_st = jnp.pad(a_scales.T, ((0, 0), (0, pad_m)))
+    b_st = jnp.pad(b_scales.T, ((0, 0), (0, pad_n)))
+    kp = blocks * BLOCK_K
+    out = pl.pallas_call(
+        functools.partial(_kernel, num_blocks=blocks),
+        out_shape=jax.ShapeDtypeStruct((m + pad_m, n + pad_n), out_dtype),
+        grid=((m + pad_m) // bm, (n + pad_n) // bn),
+        in_specs=[
+            pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((blocks, bm), lambda i, j: (0, i)),
+            pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
+            pl.BlockSpec((blocks, bn), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=pltriton.CompilerParams(num_warps=8 if bm * bn >= 128 * 64 else 4),
+        interpret=interpret,
+        name=KERNEL_NAME,
+    )(a, a_st, b, b_st)
+    return out[:m, :n] if pad_m or pad_n else out
+
+
+def blockwise_fp8_gemm(
+    a: jax.Array,
+    a_scales: jax.Array,
+    b: jax.Array,
+    b_scales: jax.Array,
+    *,
+    out_dtype=_F32,
+    impl: str = "auto",
+) -> jax.Array:
+    """`a @ b.T` of fp8 operands scaled per 128 elements of K, accumulated in float32.
+
+    Element `a[m, k]` stands for `a[m, k] * a_scales[m, k // 128]` (and likewise `b`): the
+    layout of DeepSeek-V3's 1x128 tiles; a 128x128 weight block gives its scale to each of
+    its 128 rows. On CUDA GPUs with fp8 tensor cores (compute capability 8.9 or above, and
+    a deviceless compile, which targets Hopper) it runs the Pallas kernel: one fp8 GEMM per
+    128-wide slice of K promoted into float32 with its scales; elsewhere the XLA reference.
+
+    Args:
+      a: `[M, K]` float8_e4m3fn or float8_e5m2.
+      a_scales: `[M, ceil(K / 128)]` float32.
+      b: `[N, K]` float8_e4m3fn or float8_e5m2.
+      b_scales: `[N, ceil(K / 128)]` float32.
+      out_dtype: the result's dtype.
+      impl: "auto", "pallas", "interpret" or "xla" (see `mpjax._src.kernels.dispatch`).
+
+    Returns:
+      `[M, N]` in `out_dtype`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm
+      >>> a = jnp.ones((16, 256), jnp.float8_e4m3fn)
+      >>> scales = jnp.array([[1.0, 0.5]] * 16)
+      >>> float(blockwise_fp8_gemm(a, scales, a, scales, impl="interpret")[0, 0])
+      160.0
+    """
+    _check(a, a_scales, b, b_scales)
+    return dispatch(
+        "blockwise_fp8_gemm",
+        impl,
+        (a, a_scales, b, b_scales),
+        kernel=functools.partial(_pallas_gemm, out_dtype=out_dtype),
+        reference=functools.partial(blockwise_fp8_gemm_reference, out_dtype=out_dtype),
+        unsupported=_unsupported(a, b),
+    )

@@ -1,0 +1,87 @@
+"""The blockwise fp8 GEMM kernel (Pallas, interpret mode here) against float64 arithmetic."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpjax._src.kernels.blockwise_gemm import (
+    BLOCK_K,
+    blockwise_fp8_gemm,
+    blockwise_fp8_gemm_reference,
+)
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _operands(m, n, k, dtype=E4M3, seed=0):
+    """fp8 operands and per-(row, K block) scales spanning 2^-20..2^20."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // BLOCK_K)
+    a = jnp.asarray(rng.normal(size=(m, k)) * 50, jnp.float32).astype(dtype)
+    b = jnp.asarray(rng.normal(size=(n, k)) * 50, jnp.float32).astype(dtype)
+    sa = jnp.asarray(2.0 ** rng.integers(-20, 21, (m, blocks)) * rng.uniform(1, 2, (m, blocks)))
+    sb = jnp.asarray(2.0 ** rng.integers(-20, 21, (n, blocks)) * rng.uniform(1, 2, (n, blocks)))
+    return a, sa.astype(jnp.float32), b, sb.astype(jnp.float32)
+
+
+def _float64(a, sa, b, sb):
+    """sum over K blocks of a_scale * b_scale * (a_block . b_block), in float64 (the spec)."""
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    k = a64.shape[1]
+    out = np.zeros((a64.shape[0], b64.shape[0]))
+    for kb in range(-(-k // BLOCK_K)):
+        cols = slice(kb * BLOCK_K, min(k, (kb + 1) * BLOCK_K))
+        part = a64[:, cols] @ b64[:, cols].T
+        out += part * np.asarray(sa, np.float64)[:, kb : kb + 1] * np.asarray(sb, np.float64)[:, kb]
+    return out
+
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(16, 16, 128), (48, 96, 160), (200, 130, 384), (128, 256, 1000)],
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_kernel_equals_float64_per_block_sum(m, n, k, dtype):
+    args = _operands(m, n, k, dtype)
+    want = _float64(*args)
+    got = jax.jit(lambda *a: blockwise_fp8_gemm(*a, impl="interpret"))(*args)
+    # products of fp8 values are exact in float32; only the float32 sums round
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    ref = blockwise_fp8_gemm_reference(*args)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_out_dtype_and_auto_on_cpu_is_the_reference():
+    args = _operands(64, 32, 256)
+    got = blockwise_fp8_gemm(*args, out_dtype=jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16 and got.shape == (64, 32)
+    want = blockwise_fp8_gemm_reference(*args, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_nonfinite_scales_and_values_propagate():
+    a, sa, b, sb = _operands(16, 16, 256)
+    sa = sa.at[3, 1].set(jnp.inf)
+    a = a.at[5, 0].set(jnp.nan)
+    got = np.asarray(blockwise_fp8_gemm(a, sa, b, sb, impl="interpret"))
+    assert np.isnan(got[5]).all() and not np.isfinite(got[3]).any()
+    assert np.isfinite(np.delete(got, [3, 5], axis=0)).all()
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a, sa, b, sb: (a.astype(jnp.bfloat16), sa, b, sb), "a must be a 2-D float8"),
+        (lambda a, sa, b, sb: (a, sa, b[:, :128], sb), r"must share K"),
+        (lambda a, sa, b, sb: (a, sa[:, :1], b, sb), r"a_scales must be float32 of shape \(16, 2\)"),
+        (lambda a, sa, b, sb: (a, sa, b, sb.astype(jnp.bfloat16)), "b_scales must be float32"),
+    ],
+)
+def test_bad_inputs_name_the_argument(change, match):
+    args = change(*_operands(16, 16, 256))
+    with pytest.raises(ValueError, match=match):
+        blockwise_fp8_gemm(*args)
