@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from benchmarks.fp8_variants import FP8_CONV_VARIANTS, FP8_VARIANTS, NNX_VARIANTS
+from benchmarks.fp8_variants import (
+    BLOCK_VARIANTS,
+    FP8_CONV_VARIANTS,
+    FP8_VARIANTS,
+    NNX_VARIANTS,
+)
 from benchmarks.harness import Case, Model
 from benchmarks.state_variants import (
     MEMORY_LM_VARIANTS,
@@ -44,7 +49,7 @@ from benchmarks.train_variants import (
 __all__ = ["CASES", "MODELS"]
 
 LM_ALL = {**LM_VARIANTS, **LM_FUSED_LOSS_VARIANTS, **FP8_VARIANTS, **MULTI_LM_VARIANTS}
-LM_ALL.update(MEMORY_LM_VARIANTS)
+LM_ALL.update({**MEMORY_LM_VARIANTS, **BLOCK_VARIANTS})
 RESNET_ALL = {**RESNET_VARIANTS, **FP8_CONV_VARIANTS, **MULTI_RESNET_VARIANTS}
 MODELS = MappingProxyType(
     {
@@ -71,6 +76,8 @@ MULTI_RESNET = ("bf16", "policy", "fp16-bare", "fp16-scaled", "convbn-xla")
 MULTI_RESNET += tuple(MULTI_RESNET_VARIANTS)
 HSDP_LM = ("bf16", "policy-noop-scaled", "fp16-scaled", "fp16-scaled-pallas")
 X8 = ("h100x8", "h100x2x4")
+BLOCKS_H100 = ("bf16", "fp8-tensorwise", "fp8-blockwise", "fp8-blockwise-emulated")
+BLOCKS_B200 = ("bf16", "fp8-tensorwise", "fp8-mxfp8", "fp8-nvfp4")
 
 CASES = (
     # Full train steps on one H100 vs hand-written Flax bf16 (was gpu_cost_model.py).
@@ -82,6 +89,15 @@ CASES = (
     *_grid("fp8", "lm", ("bf16", *FP8_VARIANTS)),
     *_grid("fp8", "lm", ("bf16", *FP8_VARIANTS), sizes=("quick", "wide")),
     *_grid("fp8-conv", "resnet", ("bf16", *FP8_CONV_VARIANTS)),
+    # Block-scaled recipes against bf16 on their GPU (issue 30): GPT-2 small and the wide LM.
+    *(
+        c
+        for sizes in (None, ("quick", "wide"))
+        for c in (
+            *_grid("blocks", "lm", BLOCKS_H100, ("h100",), sizes=sizes),
+            *_grid("blocks", "lm", BLOCKS_B200, ("b200",), sizes=sizes),
+        )
+    ),
     *_grid("fp8-nnx", "lm-nnx", NNX_VARIANTS, anchor="nnx-bf16"),
     *_grid("fp8-nnx", "lm-nnx", NNX_VARIANTS, anchor="nnx-bf16", sizes=("quick", "wide")),
     # Loss scaling: optimizer step and fp16 train step (was kernel_count.py).

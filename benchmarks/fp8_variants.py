@@ -1,5 +1,5 @@
 """fp8 variants of the benchmark models: the LM (autocast, apply_policy delayed, Flax's
-`fp8_ops`), ResNet's 1x1 convolutions, and the LM written in Flax NNX.
+`fp8_ops`), ResNet's 1x1 convolutions, the block-scaled recipes, and the LM written in Flax NNX.
 
 LM (against the hand-written Flax bf16 step `bf16`, default compile options):
 - `fp8-tensorwise` / `fp8-rowwise`: `autocast(model.apply, ONE_STRING, fp8=Fp8Recipe(
@@ -9,6 +9,11 @@ LM (against the hand-written Flax bf16 step `bf16`, default compile options):
   their `_overwrite_with_gradient` variables replaced by their gradients each step;
 - `fp8-delayed`: `apply_policy(model, RULES, fp8=Fp8Recipe(scaling="delayed", ...))`, the
   `"fp8_meta"` collection updated in the step by `mpjax.fp8.update_fp8_meta`.
+
+Block-scaled (`BLOCK_VARIANTS`, issue 30): `fp8-blockwise` (DeepSeek-V3's 1x128 / 128x128
+recipe; on the H100 mpjax's Pallas kernel runs each GEMM in fp8), `fp8-blockwise-emulated`
+(the same numbers dequantised to bf16), `fp8-mxfp8` and `fp8-nvfp4` (cuDNN block-scaled
+GEMMs on the B200 target); the LM head stays bf16.
 
 ResNet: `fp8-conv` (`Fp8Recipe(convs="none")`, every convolution bf16), `fp8-1x1` (each 1x1
 convolution an fp8 GEMM forward and backward) and `fp8-1x1-min256` / `-min512` (only those
@@ -44,7 +49,13 @@ from benchmarks.train_variants import (
     resnet_program,
 )
 
-__all__ = ["FP8_CONV_VARIANTS", "FP8_VARIANTS", "NNX_VARIANTS", "block_gemm_flops"]
+__all__ = [
+    "BLOCK_VARIANTS",
+    "FP8_CONV_VARIANTS",
+    "FP8_VARIANTS",
+    "NNX_VARIANTS",
+    "block_gemm_flops",
+]
 
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 
@@ -143,6 +154,28 @@ FP8_VARIANTS = MappingProxyType(
     }
 )
 assert not set(FP8_VARIANTS) & set(LM_VARIANTS)
+
+
+def _autocast_blocks(scaling: str, lowering: str = "native"):
+    def build(cfg):
+        model = _lm(cfg)
+        recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering=lowering, exclude=("*/head",))
+        return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), model)
+
+    return build
+
+
+# Block-scaled recipes (issue 30), the LM head in bf16 as for tensorwise: blockwise on the
+# H100 (mpjax's Pallas fp8 kernel; `-emulated`: dequantised to bf16), MXFP8 and NVFP4 on
+# the B200 (cuDNN block-scaled GEMMs).
+BLOCK_VARIANTS = MappingProxyType(
+    {
+        "fp8-blockwise": _autocast_blocks("blockwise"),
+        "fp8-blockwise-emulated": _autocast_blocks("blockwise", "emulated"),
+        "fp8-mxfp8": _autocast_blocks("mxfp8"),
+        "fp8-nvfp4": _autocast_blocks("nvfp4"),
+    }
+)
 
 
 def _conv_fp8(convs: str, min_dim: int = 64):

@@ -42,6 +42,7 @@ TARGETS = {
     "h100x8": ("1x1x8", "fsdp"),
     "h100x2x4": ("2x1x4", "fsdp"),
     "h100x2x4-hsdp": ("2x1x4", "hsdp"),
+    "b200": ("1x1x1", None),  # a deviceless B200 (cuDNN block-scaled GEMMs), B200 peaks
     "cpu": (None, None),
     "gpu": (None, None),  # a real GPU: cases with their own `measure` (skipped without one)
 }
@@ -131,7 +132,7 @@ def dedup(cases: Iterable[Case], models: Mapping[str, Model], quick: bool) -> li
 
 def needs_cuda_plugin(case: Case) -> bool:
     """Whether the case compiles for a deviceless H100 (the gpu-aot environment)."""
-    return case.target.startswith("h100")
+    return case.target.startswith("h100") or case.target == "b200"
 
 
 # --- compiling a program for a target ------------------------------------------------------
@@ -226,11 +227,14 @@ def _compile(program, target: str, split: str):
         state, batch = jax.eval_shape(program.init, key), jax.eval_shape(program.batch, key)
         lowered = jax.jit(program.step, donate_argnums=0).trace(state, batch).lower()
     elif layout is None:
-        from mpjax._src.analysis.target import h100_sharding, lower_step
+        from mpjax._src.analysis.target import B200_TARGET, H100_TARGET, h100_topology, lower_step
 
+        device = h100_topology(target=B200_TARGET if target == "b200" else H100_TARGET).devices[0]
         state = jax.eval_shape(program.init, key)
         lowered = lower_step(
-            program.step, (state, jax.eval_shape(program.batch, key)), h100_sharding()
+            program.step,
+            (state, jax.eval_shape(program.batch, key)),
+            jax.sharding.SingleDeviceSharding(device),
         )
     else:
         mesh = _mesh(topology, layout)
@@ -259,13 +263,15 @@ def memory_figures(compiled, state) -> dict:
     }
 
 
-def hlo_figures(hlo_text: str) -> dict:
-    """Kernels, FLOPs by dtype, converts, bytes and roofline of optimized XLA:GPU HLO."""
+def hlo_figures(hlo_text: str, target: str = "h100") -> dict:
+    """Kernels, FLOPs by dtype, converts, bytes and roofline (on the target's GPU: H100 or
+    B200 peaks) of optimized XLA:GPU HLO."""
     from mpjax._src.analysis import hlo_cost
+    from mpjax._src.analysis.peaks import B200, H100, roofline_seconds
 
     r = hlo_cost.analyze(hlo_text)
     return {
-        "roofline_s": r.roofline_s,
+        "roofline_s": roofline_seconds(r, B200 if target == "b200" else H100),
         "bytes": r.bytes,
         "kernels": len(r.kernels),
         "kernels_by_kind": r.kernels_by_kind,
@@ -353,7 +359,7 @@ def measure_program(case: Case, models: Mapping[str, Model], quick: bool) -> dic
         figures.update(time_pair(program, anchor and anchor(cfg), quick))
         return figures
     text = compiled.as_text()
-    figures.update(hlo_figures(text))
+    figures.update(hlo_figures(text, case.target))
     if layout is not None:
         mesh = _mesh(topology, layout)
         figures["mesh"] = ",".join(f"{a}={k}" for a, k in mesh.shape.items())

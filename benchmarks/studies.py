@@ -66,4 +66,6 @@ STUDIES = (
     ("memory-switches-char-lm", "cpu", memory_switches_char_lm),
     ("lce-loss", "h100x8", _script("lce_loss")),
     ("kernels-gpu", "gpu", _script("kernels_gpu")),
+    # Issue 30: the forms of a blockwise fp8 GEMM on Hopper (the Pallas kernel ships).
+    ("blockwise-hopper", "h100", _script("blockwise_hopper_cost")),
 )

@@ -49,7 +49,7 @@ def _ratio(value: float, anchor: float | None) -> float | str:
 
 
 def _fp8_share(flops: dict, total: float) -> str:
-    fp8 = sum(v for k, v in flops.items() if "f8" in k)
+    fp8 = sum(v for k, v in flops.items() if "f8" in k or "f4" in k)
     return f"{100 * fp8 / total:.1f} %" if total else "-"
 
 
@@ -133,6 +133,26 @@ def fp8_table(records):
     f_cols = ["size", "variant", "roofline ms", "vs anchor", "temp GiB", "in fp8"]
     f_cols += ["GEMM TFLOP by dtype", "conv TFLOP by dtype", "kernels"]
     return ["size", "path", "roofline vs anchor", "in fp8"], short, f_cols, full
+
+
+def blocks_table(records):
+    """The block-scaled recipes against bf16 on their GPU (deviceless H100 and B200)."""
+    short, full = [], []
+    for r, a in _with_anchor(records):
+        f = r["figures"]
+        share = _fp8_share(f["gemm_flops"], _block_gemm_flops(f["config"]))
+        roof = _ratio(f["roofline_s"], a and a["roofline_s"])
+        gpu = r["target"].upper()
+        short.append([gpu, _size(r), r["variant"], roof, share])
+        full.append(
+            [gpu, _size(r), r["variant"], round(f["roofline_s"] * 1e3, 3), roof]
+            + [round(f["temp_bytes"] / GIB, 3), share, _tflop(f["gemm_flops"])]
+            + [", ".join(f"{k} {n}" for k, n in sorted(f["kernels_by_kind"].items()))]
+        )
+    s_cols = ["GPU", "size", "path", "roofline vs bf16", "block GEMMs in fp8/fp4"]
+    f_cols = ["GPU", "size", "variant", "roofline ms", "vs bf16", "temp GiB"]
+    f_cols += ["block GEMMs in fp8/fp4", "GEMM TFLOP by dtype", "kernels by kind"]
+    return s_cols, short, f_cols, full
 
 
 def multi_gpu_table(records):
@@ -230,6 +250,7 @@ TABLES: dict[str, Callable] = {
     "cost": cost_table,
     "fp8": fp8_table,
     "fp8-conv": fp8_table,
+    "blocks": blocks_table,
     "fp8-nnx": fp8_table,
     "multi-gpu": multi_gpu_table,
     "opt-step": opt_step_table,
@@ -432,9 +453,9 @@ def _not_run(results: dict, table: str) -> str:
 
 # Every table the docs include (a table missing from a run reads "Not measured").
 DOC_TABLES = (
-    "cost", "fp8", "fp8-conv", "fp8-nnx", "multi-gpu", "opt-step", "memory", "convergence",
-    "policy-cpu", "autocast-cpu", "step-overhead", "inference", "data-parallel",
-    "reduce-dtype", "reduce-dtype-h100", "gpu", "kernels-gpu",
+    "cost", "fp8", "fp8-conv", "fp8-nnx", "blocks", "blockwise-hopper", "multi-gpu", "opt-step",
+    "memory", "convergence", "policy-cpu", "autocast-cpu", "step-overhead", "inference",
+    "data-parallel", "reduce-dtype", "reduce-dtype-h100", "gpu", "kernels-gpu",
 )  # fmt: skip
 
 

@@ -1,9 +1,10 @@
 """`block_scaled_dot_general`: a `dot_general` whose three GEMMs see block-scaled operands.
 
-The lowerings of the `"mxfp8"`, `"nvfp4"` and `"blockwise"` recipes. Native: cuDNN
-block-scaled GEMMs (MXFP8, NVFP4 on Blackwell) or fp8 GEMMs promoted per 128-wide K block
-(blockwise, a Pallas kernel for Hopper). Emulated (the reference, any device): each operand of each GEMM (the forward one and both backward ones) is quantised with
-`quantize_blocks` along that GEMM's contraction axis, dequantised to the compute dtype and
+The lowerings of the `"mxfp8"`, `"nvfp4"` and `"blockwise"` recipes. Each operand of each
+GEMM (the forward one and both backward ones) is quantised with `quantize_blocks` along that
+GEMM's contraction axis. Native: cuDNN block-scaled GEMMs (MXFP8, NVFP4 on Blackwell) or
+fp8 GEMMs promoted per 128-wide K block (blockwise: a Pallas kernel, Hopper and later).
+Emulated (the reference, any device): the operands dequantised to the compute dtype and
 multiplied with float32 accumulation. The numbers are those of a native block-scaled GEMM
 (block scales are exact factors of the products); the speed is that of the compute dtype
 plus the quantisation, so `fp8_ops` labels these GEMMs "emulated".

@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    SdyShardingRule,
+    custom_partitioning,
+)
 from jax.experimental.pallas import triton as pltriton
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mpjax._src.kernels.common import MAX_ELEMENTS, next_pow2
 from mpjax._src.kernels.dispatch import dispatch
@@ -123,9 +130,15 @@ def _pallas_gemm(a, a_scales, b, b_scales, *, out_dtype, interpret: bool) -> jax
     a_st = jnp.pad(a_scales.T, ((0, 0), (0, pad_m)))
     b_st = jnp.pad(b_scales.T, ((0, 0), (0, pad_n)))
     kp = blocks * BLOCK_K
+    # the output varies over the mesh axes its operands vary over (under shard_map)
+    mats = [jax.typeof(x).mat for x in (a, b)]
+    varying = frozenset().union(*(mat.varying for mat in mats))
+    out_shape = jax.ShapeDtypeStruct(
+        (m + pad_m, n + pad_n), out_dtype, manual_axis_type=mats[0].update(varying=varying)
+    )
     out = pl.pallas_call(
         functools.partial(_kernel, num_blocks=blocks),
-        out_shape=jax.ShapeDtypeStruct((m + pad_m, n + pad_n), out_dtype),
+        out_shape=out_shape,
         grid=((m + pad_m) // bm, (n + pad_n) // bn),
         in_specs=[
             pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
@@ -139,6 +152,84 @@ def _pallas_gemm(a, a_scales, b, b_scales, *, out_dtype, interpret: bool) -> jax
         name=KERNEL_NAME,
     )(a, a_st, b, b_st)
     return out[:m, :n] if pad_m or pad_n else out
+
+
+def _entry_axes(entry) -> set:
+    return set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
+
+
+def _specs(arg_shapes) -> tuple[tuple, P]:
+    """Operand and result specs: rows of `a` (M) and of `b` (N) keep their split, K whole."""
+    a, b = arg_shapes[0].sharding, arg_shapes[2].sharding
+    m = tuple(getattr(a, "spec", ()) or (None,))[0]
+    n = tuple(getattr(b, "spec", ()) or (None,))[0]
+    if _entry_axes(m) & _entry_axes(n):  # one mesh axis cannot split both: b gathered
+        n = None
+    return (P(m, None), P(m, None), P(n, None), P(n, None)), P(m, n)
+
+
+_RULE = SdyShardingRule(
+    (
+        ArrayMapping("m", "k"),
+        ArrayMapping("m", "kb"),
+        ArrayMapping("n", "k"),
+        ArrayMapping("n", "kb"),
+    ),
+    (ArrayMapping("m", "n"),),
+    need_replication_factors=("k", "kb"),
+)
+
+
+def _by_row_blocks(fn):
+    """`fn(a, a_scales, b, b_scales)` run by each device on its rows of `a` and of `b`.
+
+    A Pallas call is a custom call XLA cannot partition: given sharded operands it would
+    gather them and run the whole GEMM on every device. Wrapped in `custom_partitioning`,
+    each device multiplies its rows of `a` (tokens: data parallelism) by its rows of `b`
+    (output features, where split), with K whole; the result is split like both.
+    """
+    wrapped = custom_partitioning(fn)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return NamedSharding(mesh, _specs(arg_shapes)[1])
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, out = _specs(arg_shapes)
+        arg_shardings = tuple(NamedSharding(mesh, s) for s in args)
+        return mesh, fn, NamedSharding(mesh, out), arg_shardings
+
+    wrapped.def_partition(
+        partition=partition, infer_sharding_from_operands=infer, sharding_rule=_RULE
+    )
+    return wrapped
+
+
+def _sharded_explicitly(*xs) -> bool:
+    """Whether any of `xs` has a type sharded over Explicit mesh axes."""
+    for x in xs:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if sharding is not None and not sharding.mesh.empty and any(sharding.spec):
+            return True
+    return False
+
+
+def _explicit_rows(run, a, a_scales, b, b_scales):
+    """`run` under `jax.shard_map` on each device's rows (types sharded over Explicit axes)."""
+    mesh = jax.typeof(a).sharding.mesh if any(jax.typeof(a).sharding.spec) else None
+    mesh = mesh or jax.typeof(b).sharding.mesh
+    shapes = [jax.typeof(x) for x in (a, a_scales, b, b_scales)]
+    args, out = _specs(shapes)
+    axes = set().union(*(_entry_axes(e) for spec in args for e in spec))
+    if not axes:  # split along K only: gathered, one GEMM
+        return run(
+            *(jax.sharding.reshard(x, NamedSharding(mesh, P())) for x in (a, a_scales, b, b_scales))
+        )
+    resharded = [
+        jax.sharding.reshard(x, NamedSharding(mesh, s))
+        for x, s in zip((a, a_scales, b, b_scales), args, strict=True)
+    ]
+    mapped = jax.shard_map(run, mesh=mesh, in_specs=args, out_specs=out, axis_names=axes)
+    return mapped(*resharded)
 
 
 def blockwise_fp8_gemm(
@@ -178,11 +269,20 @@ def blockwise_fp8_gemm(
       160.0
     """
     _check(a, a_scales, b, b_scales)
-    return dispatch(
-        "blockwise_fp8_gemm",
-        impl,
-        (a, a_scales, b, b_scales),
-        kernel=functools.partial(_pallas_gemm, out_dtype=out_dtype),
-        reference=functools.partial(blockwise_fp8_gemm_reference, out_dtype=out_dtype),
-        unsupported=_unsupported(a, b),
-    )
+    if impl == "xla":
+        return blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, out_dtype=out_dtype)
+    unsupported = _unsupported(a, b)
+
+    def run(a, a_scales, b, b_scales):
+        return dispatch(
+            "blockwise_fp8_gemm",
+            impl,
+            (a, a_scales, b, b_scales),
+            kernel=functools.partial(_pallas_gemm, out_dtype=out_dtype),
+            reference=functools.partial(blockwise_fp8_gemm_reference, out_dtype=out_dtype),
+            unsupported=unsupported,
+        )
+
+    if _sharded_explicitly(a, b):  # sharding in the types: shard_map over the same split
+        return _explicit_rows(run, a, a_scales, b, b_scales)
+    return _by_row_blocks(run)(a, a_scales, b, b_scales)
