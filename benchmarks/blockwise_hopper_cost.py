@@ -83,12 +83,12 @@ def run(quick: bool = False) -> dict:
         base = base or report.roofline_s
         flops = ", ".join(f"{d} {v / 1e9:.1f}" for d, v in sorted(report.gemm_flops.items()))
         rows.append(
-            [name, round(report.roofline_s * 1e3, 3), round(report.roofline_s / base, 3)]
+            [name, round(report.roofline_s * 1e6, 1), round(report.roofline_s / base, 3)]
             + [flops, round(report.bytes / 1e9, 3)]
         )
     return {
         "title": f"Blockwise fp8 forward GEMM [{m}, {k}] x [{k}, {n}] on the H100 cost model",
-        "columns": ["form", "roofline ms", "vs bf16", "GEMM GFLOP by dtype", "GB accessed"],
+        "columns": ["form", "roofline us", "vs bf16", "GEMM GFLOP by dtype", "GB accessed"],
         "rows": rows,
         "notes": "Forward only, bf16 compute, quantisation included (deviceless H100).",
     }

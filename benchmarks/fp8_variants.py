@@ -1,7 +1,8 @@
 """fp8 variants of the benchmark models: the LM (autocast, apply_policy delayed, Flax's
 `fp8_ops`), ResNet's 1x1 convolutions, the block-scaled recipes, and the LM written in Flax NNX.
 
-LM (against the hand-written Flax bf16 step `bf16`, default compile options):
+LM (against the hand-written Flax bf16 step `bf16`, default compile options; every variant
+with the anchor's cuDNN attention, `jax.nn.dot_product_attention(implementation="cudnn")`):
 - `fp8-tensorwise` / `fp8-rowwise`: `autocast(model.apply, ONE_STRING, fp8=Fp8Recipe(
   scaling=..., exclude=("*/head",)))` (the LM head stays bf16);
 - `flax-fp8`: Flax `fp8_ops.Fp8DotGeneralOp` (delayed scaling, quantise-dequantise form) in
@@ -37,6 +38,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 import mpjax
+from benchmarks.train_models import cudnn_attention
 from benchmarks.train_variants import (
     LM_VARIANTS,
     ONE_STRING,
@@ -72,9 +74,9 @@ def _adamw():
 
 def _autocast_fp8(scaling):
     def build(cfg):
-        model = _lm(cfg)
+        model = _lm(cfg, attention_fn=cudnn_attention)  # the anchor's attention
         recipe = mpjax.Fp8Recipe(scaling=scaling, exclude=("*/head",))
-        return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), model)
+        return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), _lm(cfg))
 
     return build
 
@@ -100,7 +102,7 @@ class _Nested:
 
 def _flax_fp8(dot_cls):
     def build(cfg):
-        model = _lm(cfg, dtype=jnp.bfloat16, dot_general_cls=dot_cls)
+        model = _lm(cfg, dtype=jnp.bfloat16, dot_general_cls=dot_cls, attention_fn=cudnn_attention)
         tx = optax.multi_transform(
             {"adamw": _adamw(), "owg": _overwrite()},
             lambda tree: {
@@ -158,9 +160,9 @@ assert not set(FP8_VARIANTS) & set(LM_VARIANTS)
 
 def _autocast_blocks(scaling: str, lowering: str = "native"):
     def build(cfg):
-        model = _lm(cfg)
+        model = _lm(cfg, attention_fn=cudnn_attention)
         recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering=lowering, exclude=("*/head",))
-        return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), model)
+        return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), _lm(cfg))
 
     return build
 

@@ -68,4 +68,5 @@ STUDIES = (
     ("kernels-gpu", "gpu", _script("kernels_gpu")),
     # Issue 30: the forms of a blockwise fp8 GEMM on Hopper (the Pallas kernel ships).
     ("blockwise-hopper", "h100", _script("blockwise_hopper_cost")),
+    ("blocks-convergence", "cpu", _script("blocks_convergence")),
 )

@@ -453,7 +453,8 @@ def _not_run(results: dict, table: str) -> str:
 
 # Every table the docs include (a table missing from a run reads "Not measured").
 DOC_TABLES = (
-    "cost", "fp8", "fp8-conv", "fp8-nnx", "blocks", "blockwise-hopper", "multi-gpu", "opt-step",
+    "cost", "fp8", "fp8-conv", "fp8-nnx", "blocks", "blockwise-hopper", "blocks-convergence",
+    "multi-gpu", "opt-step",
     "memory", "convergence", "policy-cpu", "autocast-cpu", "step-overhead", "inference",
     "data-parallel", "reduce-dtype", "reduce-dtype-h100", "gpu", "kernels-gpu",
 )  # fmt: skip
