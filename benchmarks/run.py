@@ -1,6 +1,6 @@
 """Runs the benchmark suite (`benchmarks/cases.py`) and writes one results file.
 
-    python benchmarks/run.py                    # every case, full sizes (hours on 2 cores)
+    python benchmarks/run.py --jobs 2           # every case, full sizes (about 1.5 h, 2 cores)
     python benchmarks/run.py --quick            # every case at quick size (the CI smoke run)
     python benchmarks/run.py --only cost/lm,fp8-conv --target h100
     python benchmarks/run.py --resume           # run only the cases not yet `ok` in the file

@@ -130,14 +130,18 @@ def test_docs_tables_generate_from_the_results(quick):
     assert "Not measured in this run" in text["memory_step"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #28 open: the committed quick results.json was completed by --only/--resume "
-    "runs (new cases, cuDNN-traced LM rows); one end-to-end run of the suite is still to do",
-)
-def test_committed_results_are_one_run_of_the_suite():
-    """benchmarks/results.json (the docs' source): one `run.py` command, every memory mode."""
+def test_committed_results_are_one_full_run_of_the_suite():
+    """benchmarks/results.json (the docs' source): one full `run.py` command, every case."""
+    from benchmarks.cases import CASES
+
     results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    assert results["quick"] is False  # full sizes
+    records = {r["name"]: r for r in results["records"]}
+    assert set(records) == {c.name for c in CASES}  # every registered case, nothing else
+    bad = {n: r["status"] for n, r in records.items() if r["status"] not in ("ok", "skipped")}
+    assert not bad
+    skipped = {n: r["reason"] for n, r in records.items() if r["status"] == "skipped"}
+    assert all(r["target"] == "gpu" for n, r in records.items() if n in skipped), skipped
     assert results["command"].startswith("python benchmarks/run.py")
     assert "--only" not in results["command"] and "--resume" not in results["command"]
     assert "finished" in results

@@ -112,3 +112,20 @@ def test_sharded_rows_stay_on_their_devices(explicit):
     want = _float64(a, sa, b, sb)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     assert "all-gather" not in text and "all-reduce" not in text, text
+
+
+def test_vmap_runs_each_gemm_of_the_batch():
+    ops = [_operands(32, 16, 256, seed=s) for s in range(3)]
+    stacked = [jnp.stack(xs) for xs in zip(*ops, strict=True)]
+    got = jax.jit(jax.vmap(lambda *a: blockwise_fp8_gemm(*a, impl="interpret")))(*stacked)
+    for i, args in enumerate(ops):
+        want = _float64(*args)
+        np.testing.assert_allclose(
+            np.asarray(got[i]), want, rtol=1e-5, atol=1e-6 * np.abs(want).max()
+        )
+    # the weight shared by the batch (in_axes None)
+    a = jnp.stack([o[0] for o in ops])
+    sa = jnp.stack([o[1] for o in ops])
+    got = jax.vmap(blockwise_fp8_gemm, in_axes=(0, 0, None, None))(a, sa, ops[0][2], ops[0][3])
+    want = _float64(ops[1][0], ops[1][1], ops[0][2], ops[0][3])
+    np.testing.assert_allclose(np.asarray(got[1]), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())

@@ -285,4 +285,16 @@ def blockwise_fp8_gemm(
 
     if _sharded_explicitly(a, b):  # sharding in the types: shard_map over the same split
         return _explicit_rows(run, a, a_scales, b, b_scales)
-    return _by_row_blocks(run)(a, a_scales, b, b_scales)
+
+    # `custom_partitioning` has no batching rule: under `jax.vmap` the GEMM runs vmapped as
+    # it is (a batched Pallas grid on the GPU).
+    @jax.custom_batching.custom_vmap
+    def call(a, a_scales, b, b_scales):
+        return _by_row_blocks(run)(a, a_scales, b, b_scales)
+
+    @call.def_vmap
+    def call_batched(axis_size, in_batched, *args):
+        in_axes = tuple(0 if batched else None for batched in in_batched)
+        return jax.vmap(run, in_axes=in_axes, axis_size=axis_size)(*args), True
+
+    return call(a, a_scales, b, b_scales)
