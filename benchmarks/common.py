@@ -135,7 +135,11 @@ def cost_analysis(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, float]:
     import jax
 
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    compiled = jitted.lower(*args, **kwargs).compile()
+    return compiled_cost(jitted.lower(*args, **kwargs).compile())
+
+
+def compiled_cost(compiled: Any) -> dict[str, float]:
+    """`cost_analysis`'s figures of an already compiled executable."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
         analysis = analysis[0] if analysis else {}

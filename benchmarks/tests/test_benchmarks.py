@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "benchmarks" / "run.py"
 
 
-def _run_runner(*args, timeout=300):
+def _run_runner(*args, timeout=600):
     return subprocess.run(
         [sys.executable, str(RUNNER), *args],
         cwd=ROOT,
