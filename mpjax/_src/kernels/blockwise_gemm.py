@@ -158,11 +158,31 @@ def _entry_axes(entry) -> set:
     return set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
 
 
-def _specs(arg_shapes) -> tuple[tuple, P]:
+def _decoded_spec(mesh, sharding, ndim: int) -> tuple:
+    """`sharding`'s PartitionSpec entries on `mesh`; () (replicated) where it has none.
+
+    XLA hands the partitioner HLO shardings; one that `mesh` cannot express (a dimension
+    split 4 ways on an 8-device axis, as FSDP propagation gives a block-scale array) is
+    taken as replicated instead of failing the compile.
+    """
+    if isinstance(sharding, NamedSharding):
+        return tuple(sharding.spec)
+    hlo = getattr(sharding, "_hlo_sharding", None)
+    if hlo is None or mesh is None or mesh.empty:
+        return ()
+    from jax._src.sharding_impls import parse_flatten_op_sharding
+
+    try:
+        return tuple(parse_flatten_op_sharding(hlo, mesh)[0])[:ndim]
+    except Exception:  # noqa: BLE001 - not expressible on this mesh: replicate
+        return ()
+
+
+def _specs(mesh, arg_shapes) -> tuple[tuple, P]:
     """Operand and result specs: rows of `a` (M) and of `b` (N) keep their split, K whole."""
-    a, b = arg_shapes[0].sharding, arg_shapes[2].sharding
-    m = tuple(getattr(a, "spec", ()) or (None,))[0]
-    n = tuple(getattr(b, "spec", ()) or (None,))[0]
+    a, b = arg_shapes[0], arg_shapes[2]
+    m = (_decoded_spec(mesh, a.sharding, 2) or (None,))[0]
+    n = (_decoded_spec(mesh, b.sharding, 2) or (None,))[0]
     if _entry_axes(m) & _entry_axes(n):  # one mesh axis cannot split both: b gathered
         n = None
     return (P(m, None), P(m, None), P(n, None), P(n, None)), P(m, n)
@@ -191,15 +211,18 @@ def _by_row_blocks(fn):
     wrapped = custom_partitioning(fn)
 
     def infer(mesh, arg_shapes, result_shape):
-        return NamedSharding(mesh, _specs(arg_shapes)[1])
+        return NamedSharding(mesh, _specs(mesh, arg_shapes)[1])
 
     def partition(mesh, arg_shapes, result_shape):
-        args, out = _specs(arg_shapes)
+        args, out = _specs(mesh, arg_shapes)
         arg_shardings = tuple(NamedSharding(mesh, s) for s in args)
         return mesh, fn, NamedSharding(mesh, out), arg_shardings
 
     wrapped.def_partition(
-        partition=partition, infer_sharding_from_operands=infer, sharding_rule=_RULE
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=_RULE,
+        decode_shardings=False,  # decoded by `_specs`, which replicates what it cannot
     )
     return wrapped
 
@@ -218,7 +241,7 @@ def _explicit_rows(run, a, a_scales, b, b_scales):
     mesh = jax.typeof(a).sharding.mesh if any(jax.typeof(a).sharding.spec) else None
     mesh = mesh or jax.typeof(b).sharding.mesh
     shapes = [jax.typeof(x) for x in (a, a_scales, b, b_scales)]
-    args, out = _specs(shapes)
+    args, out = _specs(mesh, shapes)
     axes = set().union(*(_entry_axes(e) for spec in args for e in spec))
     if not axes:  # split along K only: gathered, one GEMM
         return run(
