@@ -14,7 +14,26 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["transposed_sharding"]
+__all__ = ["match_varying", "transposed_sharding"]
+
+
+def match_varying(*xs: Any) -> tuple:
+    """`xs`, each made varying over every manual mesh axis any of them varies over.
+
+    Inside `jax.shard_map(check_vma=True)` a hand-written `custom_vjp` GEMM of a varying
+    activation and an invariant weight would return a varying weight gradient for an
+    invariant input, which JAX rejects. JAX's own `dot_general` marks the weight varying
+    first (`pcast(..., to="varying")`), whose transpose sums the gradient over the axes;
+    this does the same. Outside `shard_map` (no manual axes) it returns `xs` unchanged.
+    """
+    vmas = [frozenset(jax.typeof(x).mat.varying) for x in xs]
+    union = frozenset().union(*vmas)
+    if not union:
+        return tuple(xs)
+    return tuple(
+        x if vma == union else jax.lax.pcast(x, tuple(sorted(union - vma)), to="varying")
+        for x, vma in zip(xs, vmas, strict=True)
+    )
 
 
 def transposed_sharding(x: Any, out_axes: Sequence[int]) -> Any:

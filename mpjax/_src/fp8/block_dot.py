@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mpjax._src.core.sharding import match_varying
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS, dequantize_blocks, quantize_blocks
 from mpjax._src.fp8.recipe import Fp8Recipe
 from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm
@@ -263,4 +264,4 @@ def block_scaled_dot_general(
 
     op = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     op.defvjp(forward, backward)
-    return op(lhs, rhs)
+    return op(*match_varying(lhs, rhs))  # under shard_map(check_vma=True)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax._src.core.sharding import transposed_sharding
+from mpjax._src.core.sharding import match_varying, transposed_sharding
 from mpjax._src.fp8.block_dot import block_scaled_dot_general
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.choose import COMPUTE, choose_gemm_format, recipe_for_format
@@ -199,4 +199,5 @@ def fp8_dot_general(
     qa_dtype, qb_dtype = lhs.dtype, rhs.dtype
     op = jax.custom_vjp(lambda a, b, a_quant: forward(a, b, a_quant)[0])
     op.defvjp(forward, backward)
+    lhs, rhs = match_varying(lhs, rhs)  # under shard_map(check_vma=True)
     return op(lhs, rhs, None if lhs_quant is None else lax.stop_gradient(lhs_quant))
