@@ -117,6 +117,7 @@ CASES = (
     *_grid("gpu", "resnet", BASE[:-1] + CONVBN[:2], ("gpu",)),
     *_grid("gpu", "lm", BASE[:-1], ("gpu",)),
     *_grid("gpu", "lm", ("bf16", *FP8_VARIANTS), ("gpu",), sizes=("quick", "wide")),
+    *_grid("gpu", "lm", ("fp8-blockwise",), ("gpu",), sizes=("quick", "wide")),
     # Studies with their own measurement (timings on this host, training runs, a GPU).
     *(Case(t, "study", fn.__name__, target, anchor=None, measure=fn) for t, target, fn in STUDIES),
 )

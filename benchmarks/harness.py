@@ -317,8 +317,9 @@ def report_figures(lowered, compiled) -> dict:
     }
 
 
-def time_pair(program, anchor_program, quick: bool) -> dict:
-    """Step seconds of `program` and its anchor, interleaved round by round on this host."""
+def time_pair(program, anchor_program, quick: bool, timing: tuple[int, int] | None = None) -> dict:
+    """Step seconds of `program` and its anchor, interleaved round by round on this host
+    (`timing`: `(rounds, steps per round)`, default by `quick`)."""
     import jax
 
     from benchmarks.common import paired_ratio, summary, time_train_steps
@@ -328,7 +329,7 @@ def time_pair(program, anchor_program, quick: bool) -> dict:
     steps = {k: jax.jit(p.step, donate_argnums=0) for k, p in progs.items()}
     states = {k: p.init(key) for k, p in progs.items()}
     batch = program.batch(key)
-    rounds, per_round = (3, 2) if quick else (15, 5)
+    rounds, per_round = timing or ((3, 2) if quick else (15, 5))
     times, _ = time_train_steps(steps, states, batch, rounds=rounds, steps_per_round=per_round)
     return {
         "time_s": summary(times["case"]),
@@ -336,7 +337,9 @@ def time_pair(program, anchor_program, quick: bool) -> dict:
     }
 
 
-def measure_program(case: Case, models: Mapping[str, Model], quick: bool) -> dict:
+def measure_program(
+    case: Case, models: Mapping[str, Model], quick: bool, timing: tuple[int, int] | None = None
+) -> dict:
     """The figures of one registered program on the case's target (module docstring)."""
     model = models[case.model]
     if case.variant not in model.variants:
@@ -356,7 +359,7 @@ def measure_program(case: Case, models: Mapping[str, Model], quick: bool) -> dic
         figures["bytes"] = float(cost.get("bytes accessed", float("nan")))
         figures["items"] = program.items
         anchor = model.variants.get(case.anchor) if case.anchor else None
-        figures.update(time_pair(program, anchor and anchor(cfg), quick))
+        figures.update(time_pair(program, anchor and anchor(cfg), quick, timing))
         return figures
     text = compiled.as_text()
     figures.update(hlo_figures(text, case.target))
@@ -385,8 +388,11 @@ def record_of(case: Case, figures: dict | None, seconds: float, status="ok", rea
     return out
 
 
-def run_case(case: Case, models: Mapping[str, Model], quick: bool) -> dict:
-    """Measures one case; every failure becomes an `error` record (a `Skip`: `skipped`)."""
+def run_case(
+    case: Case, models: Mapping[str, Model], quick: bool, timing: tuple[int, int] | None = None
+) -> dict:
+    """Measures one case; every failure becomes an `error` record (a `Skip`: `skipped`).
+    `timing` (`(rounds, steps per round)`) overrides the step timing of CPU/GPU targets."""
     start = time.perf_counter()
     try:
         if case.target == "gpu":
@@ -395,7 +401,9 @@ def run_case(case: Case, models: Mapping[str, Model], quick: bool) -> dict:
             if jax.default_backend() != "gpu":
                 return record_of(case, None, 0.0, "skipped", "needs a GPU")
         figures = (
-            case.measure(case, quick) if case.measure else measure_program(case, models, quick)
+            case.measure(case, quick)
+            if case.measure
+            else measure_program(case, models, quick, timing)
         )
     except Exception as exc:  # noqa: BLE001 - reported in the results, not raised
         status = "skipped" if type(exc).__name__ == "Skip" else "error"

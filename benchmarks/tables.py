@@ -508,9 +508,20 @@ def pages(results: dict) -> dict[str, str]:
     return out
 
 
-def write_docs(results_json: Path, out_dir: Path) -> list[Path]:
-    """Writes the pages and plots of `results_json` into `out_dir`; returns the paths."""
-    results = json.loads(Path(results_json).read_text())
+def with_gpu_records(results: dict, gpu_json: Path | None) -> dict:
+    """`results` with its real-GPU records replaced by those of `gpu_json` (the file
+    `benchmarks/gpu.py` writes on a GPU), when that file exists."""
+    if gpu_json is None or not Path(gpu_json).exists():
+        return results
+    gpu = json.loads(Path(gpu_json).read_text())["records"]
+    names = {r["name"] for r in gpu}
+    return {**results, "records": [r for r in results["records"] if r["name"] not in names] + gpu}
+
+
+def write_docs(results_json: Path, out_dir: Path, gpu_json: Path | None = None) -> list[Path]:
+    """Writes the pages and plots of `results_json` (its real-GPU records from `gpu_json`)
+    into `out_dir`; returns the paths."""
+    results = with_gpu_records(json.loads(Path(results_json).read_text()), gpu_json)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -530,5 +541,5 @@ def write_docs(results_json: Path, out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    for p in write_docs(Path(sys.argv[1]), Path(sys.argv[2])):
+    for p in write_docs(Path(sys.argv[1]), Path(sys.argv[2]), *map(Path, sys.argv[3:4])):
         print(p)
