@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -381,9 +382,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# XLA:CPU ends the process (exit 134, "Expected 8 threads to join the rendezvous, but only 7 of
+# them arrived on time") when one simulated device's thread reaches a collective 40 s after the
+# others: on a loaded 2-core machine 8 device threads can fall that far apart. A real stall
+# still ends the run, after 10 minutes instead of 40 s.
+SIMULATED_DEVICE_FLAGS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=600",
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
+)
+
+
+def with_simulated_device_flags(xla_flags: str) -> str:
+    """`xla_flags` plus `SIMULATED_DEVICE_FLAGS` (those it does not set already)."""
+    extra = [f for f in SIMULATED_DEVICE_FLAGS if f.split("=")[0] not in xla_flags]
+    return " ".join([xla_flags.strip(), *extra]).strip()
+
+
 def initialize(args: argparse.Namespace) -> None:
     """Sets up CPU devices and, for several processes, `jax.distributed`."""
     if args.cpu_devices:
+        # read by XLA when the CPU client is created, which has not happened yet
+        os.environ["XLA_FLAGS"] = with_simulated_device_flags(os.environ.get("XLA_FLAGS", ""))
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     if args.num_processes > 1 or args.distributed:

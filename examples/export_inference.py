@@ -1,6 +1,6 @@
 """Train a small CNN on sklearn's digits, convert it for bf16 inference, export it, reload it.
 
-    python examples/export_inference.py [--steps 300] [--out digits.mpjax]
+    python examples/export_inference.py [--steps 300] [--out results/digits.mpjax]
 
 Steps: train a Conv->BN->ReLU CNN with a residual block in float32; fold its BatchNorms
 into the convolutions and cast to bfloat16 (`mpjax.convert_for_inference`); export the
@@ -85,7 +85,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--policy", default="compute=bfloat16")
-    parser.add_argument("--out", default="digits.mpjax")
+    parser.add_argument("--out", default="results/digits.mpjax", help="the artifact to write")
     args = parser.parse_args()
 
     model, variables, (x_test, y_test) = train(args.steps)
@@ -100,6 +100,7 @@ def main():
     blob = serialize_inference(
         converted, x_test[:1], platforms=("cpu", "cuda"), polymorphic_batch=True
     )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_bytes(blob)
     loaded = load_inference(Path(args.out).read_bytes())
     print(f"wrote {args.out} ({len(blob)} bytes) for platforms {loaded.platforms}")
