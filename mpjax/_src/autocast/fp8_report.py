@@ -53,20 +53,21 @@ class Fp8Op(NamedTuple):
     choice: str = ""
 
 
-def _lowering(recipe: Fp8Recipe, reason: str) -> str:
+def _lowering(recipe: Fp8Recipe, reason: str, operands: tuple = ()) -> str:
     if reason:
         return ""
     if recipe.scaling not in BLOCK_SCALINGS:
         return "fp8"
-    return f"{'native' if native_block_gemms(recipe) else 'emulated'} {recipe.scaling}"
+    native = native_block_gemms(recipe, *operands)
+    return f"{'native' if native else 'emulated'} {recipe.scaling}"
 
 
-def _chosen(recipe: Fp8Recipe, site: Fp8Site, compute) -> tuple[str, str, str]:
+def _chosen(recipe: Fp8Recipe, site: Fp8Site, compute, operands) -> tuple[str, str, str]:
     """(reason, lowering, choice) of an eligible GEMM under `choose="roofline"`."""
     choice = choose_gemm_format(recipe, site, compute)
     if choice.format == COMPUTE:
         return choice.reason, "", choice.reason
-    lowering = _lowering(recipe_for_format(recipe, choice.format), "")
+    lowering = _lowering(recipe_for_format(recipe, choice.format), "", operands)
     if lowering == "fp8":
         lowering = f"fp8 {choice.format}"
     return "", lowering, choice.reason
@@ -87,9 +88,10 @@ def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute) -> None:
             else:  # a 1x1 conv's GEMM site (None when it is not one)
                 site, why = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)
                 reason = why or ""
-            lowering, choice = _lowering(recipe, reason), ""
+            operands = tuple(v.aval for v in eqn.invars[:2])
+            lowering, choice = _lowering(recipe, reason, operands), ""
             if not reason and recipe.choose == "roofline":
-                reason, lowering, choice = _chosen(recipe, site, compute)
+                reason, lowering, choice = _chosen(recipe, site, compute, operands)
             found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason, lowering, choice))
         if prim not in _OWN_RULES:
             for sub in jaxprs_in_params(eqn.params):

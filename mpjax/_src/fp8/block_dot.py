@@ -76,23 +76,86 @@ def _gradient_key(g: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(0x5EED), bits)
 
 
-def native_block_gemms(recipe: Fp8Recipe) -> bool:
+# CUDA compute capability by device kind, for a target with no device to ask (a deviceless
+# topology's devices); the first name contained in the kind wins.
+_KIND_CAPABILITY = (
+    ("GB200", 10.0), ("B200", 10.0), ("B100", 10.0), ("GB300", 10.3), ("B300", 10.3),
+    ("GH200", 9.0), ("H200", 9.0), ("H100", 9.0), ("H800", 9.0), ("H20", 9.0),
+    ("L40", 8.9), ("L4", 8.9), ("RTX 40", 8.9), ("A100", 8.0), ("A10", 8.6),
+)  # fmt: skip
+
+
+def _traced_device(operands: tuple) -> Any:
+    """The abstract device (`platform`, `device_kind`) the operands are traced for, from
+    their sharding's mesh or the mesh in context (`jax.set_mesh`); None when neither says."""
+    from jax._src import mesh as mesh_lib  # get_abstract_mesh: public in jax.sharding >= 0.11
+
+    meshes = [getattr(getattr(_aval(x), "sharding", None), "mesh", None) for x in operands]
+    meshes.append(mesh_lib.get_abstract_mesh())
+    for mesh in meshes:
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None and getattr(device, "platform", None):
+            return device
+    return None
+
+
+def _aval(x: Any) -> Any:
+    return x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+
+
+def target_capability(*operands: Any) -> float:
+    """The CUDA compute capability of the GPU that `operands` are traced for (0 off CUDA).
+
+    The target is read from the operands' sharding (`NamedSharding` arguments, also of a
+    deviceless topology compiled ahead of time) or the mesh set with `jax.set_mesh`, else
+    it is JAX's default device.
+    """
+    device = _traced_device(operands)
+    if device is None:
+        return _capability(jax.devices()[0])
+    if device.platform not in ("cuda", "gpu"):
+        return 0.0
+    kind = str(device.device_kind).upper()
+    for name, capability in _KIND_CAPABILITY:
+        if name in kind:
+            return capability
+    gpus = [d for d in jax.devices() if d.device_kind == device.device_kind]
+    return _capability(gpus[0]) if gpus else 0.0
+
+
+def _capability(device: Any) -> float:
+    """A device's CUDA compute capability (0 for a device without one, e.g. a CPU)."""
+    return float(getattr(device, "compute_capability", 0) or 0)
+
+
+def native_block_gemms(recipe: Fp8Recipe, *operands: Any) -> bool:
     """Whether `recipe`'s GEMMs lower to native block-scaled GEMMs (else emulated).
 
     `recipe.block_lowering="native"` asks for them: for MXFP8 and NVFP4 cuDNN block-scaled
     GEMMs through `jax.nn.scaled_matmul` (Blackwell), for blockwise fp8 tensor-core GEMMs
     promoted per 128-wide K block (`mpjax._src.kernels.blockwise_gemm`, a Pallas kernel:
     Hopper and later); `"emulated"` asks for the dequantised form; `"auto"` picks native
-    when JAX's default device is a GPU of compute capability 10 or above (MXFP8, NVFP4) or
-    8.9 or above (blockwise).
+    when the GPU the GEMM is traced for (`target_capability(*operands)`: the operands'
+    sharding, the mesh in context, else JAX's default device) has compute capability 10 or
+    above (MXFP8, NVFP4) or 8.9 or above (blockwise).
+
+    Args:
+      recipe: a block-scaled `Fp8Recipe`.
+      *operands: the GEMM's operands (arrays, tracers or avals), for their target.
+
+    Returns:
+      True for native GEMMs.
+
+    Example:
+      >>> import mpjax
+      >>> from mpjax.fp8 import native_block_gemms
+      >>> native_block_gemms(mpjax.Fp8Recipe("mxfp8"))  # on a CPU
+      False
     """
     mode = getattr(recipe, "block_lowering", "auto")
     if mode != "auto":
         return mode == "native"
-    if jax.default_backend() != "gpu":
-        return False
-    capability = float(getattr(jax.devices()[0], "compute_capability", "0"))
-    return capability >= (8.9 if recipe.scaling == "blockwise" else 10)
+    return target_capability(*operands) >= (8.9 if recipe.scaling == "blockwise" else 10)
 
 
 def _as_rows(x: jax.Array, contract: tuple[int, ...]) -> jax.Array:
@@ -188,7 +251,7 @@ def block_scaled_dot_general(
     Each GEMM sees its operands as 2-D `[free, contracted]` arrays (axes flattened in
     order), quantised with `quantize_blocks` along the contracted axis; it runs as a native
     block-scaled GEMM (`jax.nn.scaled_matmul`, cuDNN on Blackwell) or emulated (dequantised
-    to `compute_dtype`), as `native_block_gemms(recipe)` says. Float32 accumulation.
+    to `compute_dtype`), as `native_block_gemms(recipe, lhs, rhs)` says. Float32 accumulation.
 
     Args:
       lhs: left operand (activations).
@@ -224,7 +287,7 @@ def block_scaled_dot_general(
         )
     lc, rc = tuple(lc), tuple(rc)
     compute = np.dtype(compute_dtype)
-    native = native_block_gemms(recipe)
+    native = native_block_gemms(recipe, lhs, rhs)
     w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"
 
