@@ -239,7 +239,8 @@ def linear_cross_entropy(
     rather than run the largest GEMM of a language model in float32 unasked.
 
     A counted token whose label is outside `[0, vocab)` has a NaN loss (the mean is NaN,
-    as with optax) and NaN gradients, whatever `chunk_size`.
+    as with optax) and NaN gradients, whatever `chunk_size`; so has one whose logits are
+    all -inf (as with optax). -inf logits elsewhere (a -inf bias) are exact.
 
     Args:
       x: `[..., d]` floating: the final hidden states.
