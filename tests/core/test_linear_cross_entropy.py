@@ -1,9 +1,7 @@
 """`mpjax.nn.linear_cross_entropy`: value and gradients against the unfused float32-softmax
 loss in float64, and the compiled program never holding a `[tokens, vocab]` array.
 
-The reference is written from the spec: logits = x @ kernel (the inputs rounded to the
-compute dtype, the product in float64), per-token loss logsumexp - logit[label] + z * lse**2,
-the mean over the tokens whose label is not `ignore_index`.
+The float64 reference (`tests/helpers/lce.py`) is written from the spec.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax.nn import linear_cross_entropy
+from tests.helpers.lce import assert_gemms_bf16, reference
 
 D, V = 16, 37  # a vocabulary that no chunk size below divides
 
@@ -29,27 +28,6 @@ def _inputs(lead, dtype, seed=0):
     k = rng.standard_normal((D, V)) * 0.5
     labels = rng.integers(0, V, lead)
     return jnp.asarray(x, dtype), jnp.asarray(k, dtype), jnp.asarray(labels, jnp.int32)
-
-
-def _reference(x, k, labels, ignore_index, z_loss, bias=None):
-    """The unfused loss in float64 (numpy), and its gradients (x, kernel, bias)."""
-    x = np.asarray(x, np.float64).reshape(-1, D)
-    k = np.asarray(k, np.float64)
-    bias = np.zeros(k.shape[1]) if bias is None else np.asarray(bias, np.float64)
-    labels = np.asarray(labels).reshape(-1)
-    valid = np.ones_like(labels, bool) if ignore_index is None else labels != ignore_index
-    logits = x @ k + bias
-    m = logits.max(1, keepdims=True)
-    lse = (m + np.log(np.exp(logits - m).sum(1, keepdims=True)))[:, 0]
-    safe = np.where(valid, labels, 0)
-    per = lse - logits[np.arange(len(labels)), safe] + z_loss * lse**2
-    n = max(valid.sum(), 1)
-    loss = per[valid].sum() / n
-    p = np.exp(logits - lse[:, None])
-    dlogits = (1 + 2 * z_loss * lse)[:, None] * p
-    dlogits[np.arange(len(labels)), safe] -= 1.0
-    dlogits *= valid[:, None] / n
-    return loss, dlogits @ k.T, x.T @ dlogits, dlogits.sum(0)
 
 
 CASES = {  # leading shape, chunk_size, ignore_index, z_loss, bias
@@ -81,12 +59,12 @@ def test_value_and_gradients_match_the_float64_reference(case, dtype, jit):
     def loss(x, k, bias):
         b = bias if with_bias else None
         return linear_cross_entropy(
-            x, k, labels, bias=b, chunk_size=chunk, ignore_index=ignore, z_loss=z
+            x, k, labels, bias=b, chunk_size=chunk, ignore_index=ignore, z_loss=z, dtype=dtype
         )
 
     fn = jax.value_and_grad(loss, (0, 1, 2))
     value, (gx, gk, gb) = (jax.jit(fn) if jit else fn)(x, k, bias)
-    want, want_gx, want_gk, want_gb = _reference(
+    want, want_gx, want_gk, want_gb = reference(
         x, k, labels, ignore, z, bias if with_bias else None
     )
     if with_bias:
@@ -115,21 +93,11 @@ def test_bfloat16_gemm_with_a_float32_tied_embedding_transpose():
 
     (value, (gx, gt)) = jax.value_and_grad(loss, (0, 1))(x, table)
     k16 = np.asarray(table.T.astype(jnp.bfloat16), np.float64)  # what the GEMM sees
-    want, _, want_gk, _ = _reference(x, k16, labels, None, 0.0)
+    want, _, want_gk, _ = reference(x, k16, labels, None, 0.0)
     np.testing.assert_allclose(float(value), want, rtol=1e-5)
     assert gt.dtype == jnp.float32 and gx.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(gt).T, want_gk, atol=2**-7 * np.abs(want_gk).max())
-    _assert_gemms_bf16(jax.jit(jax.grad(loss, (0, 1))).lower(x, table).as_text())
-
-
-def _assert_gemms_bf16(stablehlo: str) -> None:
-    """Every GEMM (two forward, as the backward recomputes, and two backward) takes
-    bfloat16 operands and gives a float32 result."""
-    pattern = r"dot_general.*: \((tensor<\S+>), (tensor<\S+>)\) -> (tensor<\S+>)"
-    dots = re.findall(pattern, stablehlo)
-    assert len(dots) == 4, dots
-    assert all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b, _ in dots), dots
-    assert all(out.endswith("xf32>") for _, _, out in dots), dots
+    assert_gemms_bf16(jax.jit(jax.grad(loss, (0, 1))).lower(x, table).as_text())
 
 
 def _f32_buffers_at_least(hlo: str, elements: int) -> list[str]:
@@ -168,14 +136,14 @@ def test_autocast_keeps_it_chunked_with_bfloat16_gemms():
 
     cast = mpjax.autocast(loss, "params=float32,compute=bfloat16,output=float32")
     value, (gx, gk) = jax.value_and_grad(cast, (0, 1))(x, k)
-    want, want_gx, want_gk, _ = _reference(
+    want, want_gx, want_gk, _ = reference(
         x.astype(jnp.bfloat16), k.astype(jnp.bfloat16), labels, None, 0.0
     )
     np.testing.assert_allclose(float(value), want, rtol=1e-5)
     assert gx.dtype == jnp.float32 and gk.dtype == jnp.float32
     np.testing.assert_allclose(gk, want_gk, atol=2**-7 * np.abs(want_gk).max())
     text = jax.jit(jax.grad(cast, (0, 1))).lower(x, k).as_text()
-    _assert_gemms_bf16(text)
+    assert_gemms_bf16(text)
     assert f"x{V}xf32>" in text and f"128x{V}xf32>" not in text  # chunks of 16 only
 
 
@@ -210,12 +178,12 @@ def test_fsdp_sharded_batch_and_kernel_match_one_device(axis_type):
         ({"chunk_size": 2.5}, TypeError, "chunk_size must be an int"),
         ({"z_loss": -1.0}, ValueError, "z_loss must be a finite float >= 0"),
         ({"ignore_index": 1.5}, TypeError, "ignore_index must be an int or None"),
-        ({"dtype": jnp.int32}, TypeError, "dtype must be a floating dtype"),
+        ({"dtype": jnp.int32}, ValueError, "dtype: int32 is not a floating dtype"),
         ({"bias": jnp.ones((3,))}, ValueError, r"bias must be None or a floating \[vocab\]"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, error, match):
-    x, k, labels = _inputs((2, 3), jnp.float32)
+    x, k, labels = _inputs((2, 3), jnp.bfloat16)
     with pytest.raises(error, match=match):
         linear_cross_entropy(x, k, labels, **kwargs)
 

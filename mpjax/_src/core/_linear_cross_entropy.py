@@ -26,9 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax._src.core.policy import as_policy_dtype
+
 __all__ = ["linear_cross_entropy"]
 
 _F32 = jnp.float32
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # what dtype=None picks
 
 
 def _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype) -> Any:
@@ -46,6 +49,12 @@ def _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype) -> Any:
         raise ValueError(
             f"{name}: x must be [..., d] with d == kernel.shape[0] == {kernel.shape[0]}, "
             f"got x.shape={x.shape}"
+        )
+    if 0 in kernel.shape:
+        raise ValueError(
+            f"{name}: kernel must be [d, vocab] with d >= 1 and vocab >= 1, got shape "
+            f"{kernel.shape} (a loss over {kernel.shape[1]} classes of {kernel.shape[0]} "
+            "features is undefined)"
         )
     if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
         got = getattr(labels, "dtype", type(labels).__name__)
@@ -66,12 +75,39 @@ def _check(x, kernel, labels, chunk_size, ignore_index, z_loss, dtype) -> Any:
         raise TypeError(f"{name}: z_loss must be a Python float, got {z_loss!r}")
     if not np.isfinite(z_loss) or z_loss < 0:
         raise ValueError(f"{name}: z_loss must be a finite float >= 0, got {z_loss}")
-    if dtype is None:
-        return jnp.result_type(x.dtype, kernel.dtype)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name}: dtype must be a floating dtype or None, got {dtype}")
-    return dtype
+    return _compute_dtype(x.dtype, kernel.dtype, dtype)
+
+
+def _compute_dtype(x_dtype, kernel_dtype, dtype) -> np.dtype:
+    """`dtype` (a dtype or a policy alias such as "bf16"), or with None the 16-bit one of
+    `x`'s and `kernel`'s dtypes; raises where None would silently mean float32 GEMMs."""
+    if dtype is not None:
+        return as_policy_dtype(dtype, "linear_cross_entropy: dtype")
+    half = {jnp.dtype(d) for d in (x_dtype, kernel_dtype)} & set(_HALF)
+    if len(half) == 1:
+        return half.pop()
+    raise ValueError(
+        f"linear_cross_entropy: dtype=None with x {jnp.dtype(x_dtype).name} and kernel "
+        f"{jnp.dtype(kernel_dtype).name} names no compute dtype (None takes the 16-bit one "
+        "of the two). Pass dtype= the compute dtype, e.g. dtype=policy.compute_dtype: "
+        "apply_policy with output=float32 returns float32 hidden states, a float32 param "
+        "kernel and autocast (which traces in float32) would run the head's GEMMs in "
+        "float32; pass dtype=jnp.float32 if that is what you want."
+    )
+
+
+def _label_masks(labels, vocab: int, ignore_index: int | None):
+    """(counted, out_of_range): the tokens that count (label != ignore_index) and those of
+    them whose label is outside [0, vocab), compared in the labels' own dtype (a bound it
+    cannot hold is never equal, or always above)."""
+    info = jnp.iinfo(labels.dtype)
+    in_range = labels >= 0
+    if vocab <= info.max:
+        in_range = in_range & (labels < vocab)
+    counted = jnp.ones_like(in_range)
+    if ignore_index is not None and info.min <= ignore_index <= info.max:
+        counted = labels != ignore_index
+    return counted, counted & ~in_range
 
 
 def _sharded(a: jax.Array) -> bool:
@@ -97,7 +133,8 @@ _TILE_DK = (((0,), (0,)), ((), ()))  # [N, d]^T @ [N, t]
 
 def _make(z_loss: float):
     """The loss as a `custom_vjp` of (x [N, d], kernel tiles [T, d, t], bias tiles [T, t]
-    float32 (-inf past the vocabulary), labels [N], valid [N]), looping over vocabulary
+    float32 (-inf past the vocabulary), labels [N], valid [N], bad [N]: valid with a label
+    outside the vocabulary, NaN loss and gradient), looping over vocabulary
     tiles with an online logsumexp; x and kernel in the compute dtype."""
 
     def tile_logits(x, k, b):
@@ -107,7 +144,7 @@ def _make(z_loss: float):
         vocab = lax.broadcasted_iota(jnp.int32, (labels.shape[0], width), 1) + off
         return vocab == labels[:, None]
 
-    def forward(x, kt, bt, labels, valid):
+    def forward(x, kt, bt, labels, valid, bad):
         width = kt.shape[2]
         offsets = jnp.arange(kt.shape[0], dtype=jnp.int32) * width
 
@@ -116,7 +153,10 @@ def _make(z_loss: float):
             k, b, off = tile
             logits = tile_logits(x, k, b)
             m2 = jnp.maximum(m, jnp.max(logits, axis=1))
-            s = s * jnp.exp(m - m2) + jnp.sum(jnp.exp(logits - m2[:, None]), axis=1)
+            # a running maximum still -inf (every logit so far -inf) shifts by 0, not by
+            # -inf: exp(-inf - -inf) would be NaN where the sum is exactly 0
+            shift = jnp.where(jnp.isneginf(m2), 0.0, m2)
+            s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(logits - shift[:, None]), axis=1)
             hit = hit + jnp.sum(jnp.where(tile_hits(labels, off, width), logits, 0.0), axis=1)
             return (m2, s, hit), None
 
@@ -124,28 +164,31 @@ def _make(z_loss: float):
         init = (zero - jnp.inf, zero, zero)
         (m, s, hit), _ = lax.scan(body, init, (kt, bt, offsets))
         lse = m + jnp.log(s)
-        per_token = lse - hit + z_loss * lse * lse
+        per_token = jnp.where(bad, jnp.nan, lse - hit + z_loss * lse * lse)
         return jnp.sum(jnp.where(valid, per_token, 0.0)), lse
 
     @jax.custom_vjp
-    def tiled(x, kt, bt, labels, valid):
-        return forward(x, kt, bt, labels, valid)[0]
+    def tiled(x, kt, bt, labels, valid, bad):
+        return forward(x, kt, bt, labels, valid, bad)[0]
 
-    def fwd(x, kt, bt, labels, valid):
-        total, lse = forward(x, kt, bt, labels, valid)
-        return total, (x, kt, bt, labels, valid, lse)
+    def fwd(x, kt, bt, labels, valid, bad):
+        total, lse = forward(x, kt, bt, labels, valid, bad)
+        return total, (x, kt, bt, labels, valid, bad, lse)
 
     def bwd(res, g):
-        x, kt, bt, labels, valid, lse = res
+        x, kt, bt, labels, valid, bad, lse = res
         width = kt.shape[2]
         offsets = jnp.arange(kt.shape[0], dtype=jnp.int32) * width
         coef = jnp.where(valid, g.astype(_F32), 0.0)[:, None]
-        grow = coef * (1.0 + 2.0 * z_loss * lse)[:, None]
+        # a label outside [0, vocab) has no gradient: NaN, never a plausible number
+        grow = jnp.where(bad, jnp.nan, coef[:, 0] * (1.0 + 2.0 * z_loss * lse))[:, None]
 
         def body(dx, tile):
             k, b, off = tile
             p = jnp.exp(tile_logits(x, k, b) - lse[:, None])
             dlogits = grow * p - jnp.where(tile_hits(labels, off, width), coef, 0.0)
+            # an ignored token adds nothing, even where its logits are all -inf (p NaN)
+            dlogits = jnp.where(valid[:, None], dlogits, 0.0)
             db = jnp.sum(dlogits, axis=0)
             dlogits = dlogits.astype(x.dtype)
             dx = dx + lax.dot_general(dlogits, k, _TOKEN_DX, preferred_element_type=_F32)
@@ -160,7 +203,7 @@ def _make(z_loss: float):
             return dx, (dk.astype(kt.dtype), db)
 
         dx, (dk, db) = lax.scan(body, jnp.zeros_like(x, dtype=_F32), (kt, bt, offsets))
-        return dx.astype(x.dtype), dk, db, None, None
+        return dx.astype(x.dtype), dk, db, None, None, None
 
     tiled.defvjp(fwd, bwd)
     return tiled
@@ -189,16 +232,22 @@ def linear_cross_entropy(
     gradients of `x` and `kernel` are accumulated in float32 and rounded to the compute
     dtype (as the GEMMs of the unfused loss give them), then cast to their own dtypes.
 
-    Under `mpjax.autocast`, which traces in float32 and keeps a `custom_vjp` as traced,
-    pass `dtype=` the policy's compute dtype so the GEMMs run in it; under `apply_policy`
-    the activations already arrive in the compute dtype.
+    Pass `dtype=policy.compute_dtype` so the GEMMs run in the compute dtype: `apply_policy`
+    with `output=float32` returns float32 hidden states, a param kernel is float32, and
+    `mpjax.autocast` traces in float32 (and keeps a `custom_vjp` as traced). `dtype=None`
+    takes the 16-bit one of `x`'s and `kernel`'s dtypes and raises when there is none,
+    rather than run the largest GEMM of a language model in float32 unasked.
+
+    A counted token whose label is outside `[0, vocab)` has a NaN loss (the mean is NaN,
+    as with optax) and NaN gradients, whatever `chunk_size`; so has one whose logits are
+    all -inf (as with optax). -inf logits elsewhere (a -inf bias) are exact.
 
     Args:
       x: `[..., d]` floating: the final hidden states.
       kernel: `[d, vocab]` floating: the output projection (for a tied embedding table
         `[vocab, d]`, its transpose `embedding.T`).
-      labels: integer `[...]` (x's leading shape): the target class of each token, in
-        `[0, vocab)` (or `ignore_index`).
+      labels: integer `[...]` (x's leading shape, any integer dtype): the target class of
+        each token, in `[0, vocab)` (or `ignore_index`); any other label gives NaN.
       bias: None, or the head's `[vocab]` bias (a Flax `Dense` head's), added to the
         logits in float32; its gradient is accumulated in float32.
       chunk_size: the size of each step's float32 logits, in tokens of the whole
@@ -210,11 +259,14 @@ def linear_cross_entropy(
         are not counted in the mean (None: every token counts).
       z_loss: the weight of `mean(logsumexp(logits) ** 2)` added to the loss (0 disables
         it; PaLM used 1e-4).
-      dtype: the compute dtype of the GEMMs; None (default) is the promoted dtype of `x`
-        and `kernel` (bfloat16 for bfloat16 activations and a bfloat16 kernel).
+      dtype: the compute dtype of the GEMMs (a dtype or a policy name such as "bf16");
+        None (default) is the 16-bit one of `x`'s and `kernel`'s dtypes (bfloat16 for
+        bfloat16 activations and a float32 kernel), an error when both are float32 or
+        they are two different 16-bit dtypes.
 
     Returns:
-      A float32 scalar: the mean loss over the non-ignored tokens (0 when there are none).
+      A float32 scalar: the mean loss over the non-ignored tokens (0 when there are none,
+        an empty batch included).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -241,10 +293,8 @@ def linear_cross_entropy(
     d = x.shape[-1]
     tokens = int(np.prod(x.shape[:-1], dtype=np.int64))
     flat_x = x.reshape(tokens, d).astype(dtype)
-    flat_labels = labels.reshape(tokens).astype(jnp.int32)
-    valid = jnp.ones((tokens,), bool)
-    if ignore_index is not None:
-        valid = labels.reshape(tokens) != ignore_index
+    valid, bad = _label_masks(labels.reshape(tokens), vocab, ignore_index)
+    flat_labels = jnp.where(bad, -1, labels.reshape(tokens).astype(jnp.int32))
     # vocabulary tiles of `width` columns: [tokens, width] logits per step, as many
     # elements as `chunk_size` tokens of the whole vocabulary
     width = min(vocab, max(1, -(-chunk_size * vocab // max(tokens, 1))))
@@ -256,6 +306,6 @@ def linear_cross_entropy(
     b32 = jnp.zeros((vocab,), _F32) if bias is None else _gathered(bias.astype(_F32))
     k = jnp.pad(k, ((0, 0), (0, pad))).reshape(d, tiles, width).transpose(1, 0, 2)
     b32 = jnp.pad(b32, (0, pad), constant_values=-jnp.inf).reshape(tiles, width)
-    total = _make(float(z_loss))(flat_x, k, b32, flat_labels, valid)
+    total = _make(float(z_loss))(flat_x, k, b32, flat_labels, valid, bad)
     count = jnp.sum(valid, dtype=jnp.int32)
     return total / jnp.maximum(count, 1).astype(_F32)
