@@ -19,10 +19,16 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import mpjax  # noqa: E402
 from mpjax._src.analysis import hlo_cost  # noqa: E402
-from mpjax._src.analysis.target import B200_TARGET, H100_TARGET, h100_topology  # noqa: E402
+from mpjax._src.analysis.target import (  # noqa: E402
+    B200_TARGET,
+    H100_TARGET,
+    h100_topology,
+    lower_step,
+)
 
 B, T, D, H, V = 4, 128, 512, 4, 2048
 
@@ -52,14 +58,27 @@ SHAPES = {
 }
 
 
-def step_gemms(target: Path, scaling: str) -> dict:
-    sharding = jax.sharding.SingleDeviceSharding(h100_topology(target=target).devices[0])
-    recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering="native", min_dim=64)
+def step_gemms(
+    target: Path, scaling: str, lowering: str = "native", placed: str = "device"
+) -> dict:
+    """The step's GEMMs compiled for `target`; `placed`: the arguments on the topology's
+    device (`"device"`), on a one-device mesh of it (`"mesh"`), or through mpjax's
+    `lower_step` (`"lower_step"`, what `mpjax.report` compiles with)."""
+    device = h100_topology(target=target).devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    if placed == "mesh":
+        mesh = jax.sharding.Mesh(np.array([device]), ("x",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering=lowering, min_dim=64)
     loss = mpjax.autocast(lm_loss, "params=float32,compute=bfloat16,output=float32", fp8=recipe)
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for k, s in SHAPES.items()}
     tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding)
-    compiled = jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower().compile()
-    report = hlo_cost.analyze(compiled.as_text())
+    if placed == "lower_step":
+        shapes = ({k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}, tokens)
+        lowered = lower_step(jax.value_and_grad(loss), shapes, sharding, donate_argnums=())
+    else:
+        lowered = jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower()
+    report = hlo_cost.analyze(lowered.compile().as_text())
     gemms = [[g.lhs_dtype, g.rhs_dtype, g.op_name] for g in report.gemms]
     return {"flops": dict(report.gemm_flops), "gemms": gemms}
 
@@ -70,6 +89,10 @@ def main() -> None:
     args = parser.parse_args()
     out = {f"b200/{s}": step_gemms(B200_TARGET, s) for s in ("mxfp8", "nvfp4")}
     out["h100/blockwise"] = step_gemms(H100_TARGET, "blockwise")
+    # block_lowering="auto" compiled ahead of time for the GPU (issue 35): native there
+    for placed in ("mesh", "lower_step"):
+        out[f"b200/mxfp8/auto/{placed}"] = step_gemms(B200_TARGET, "mxfp8", "auto", placed)
+        out[f"h100/blockwise/auto/{placed}"] = step_gemms(H100_TARGET, "blockwise", "auto", placed)
     Path(args.json).write_text(json.dumps(out, indent=1))
 
 

@@ -50,5 +50,16 @@ def test_h100_step_runs_every_dense_gemm_of_blockwise_in_fp8(flops):
     assert step["flops"]["f8e4m3fn"] > 0.9 * sum(step["flops"].values())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("placed", ["mesh", "lower_step"])
+@pytest.mark.parametrize(("target", "scaling"), [("b200", "mxfp8"), ("h100", "blockwise")])
+def test_auto_lowering_compiled_for_the_gpu_is_native(flops, target, scaling, placed):
+    """`block_lowering="auto"` with the arguments on the deviceless GPU's mesh, or through
+    `lower_step` (`mpjax.report`), lowers as `"native"` does (it was emulated off a GPU)."""
+    auto, native = flops[f"{target}/{scaling}/auto/{placed}"], flops[f"{target}/{scaling}"]
+    assert auto["flops"] == native["flops"]
+    assert auto["flops"].get(BLOCK_DTYPES[scaling], 0) > 0.9 * sum(auto["flops"].values())
+
+
 def test_the_cost_model_knows_the_kernel_by_its_name():
     assert BLOCKWISE_GEMM == KERNEL_NAME

@@ -80,10 +80,31 @@ def h100_sharding() -> jax.sharding.Sharding:
 
 
 def lower_step(step, args, sharding, donate_argnums=(0,)):
-    """`jax.jit(step)` lowered for the deviceless target on abstract `args`."""
+    """`jax.jit(step)` lowered for the deviceless target on abstract `args`.
+
+    On one device (`SingleDeviceSharding`) the trace runs under that device's one-device
+    abstract mesh, so that what is traced can tell which GPU it is for (the operands of a
+    multi-device `NamedSharding` carry their mesh already): `block_lowering="auto"` then
+    lowers as on that GPU.
+    """
     placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), args)
-    with target_cudnn():
+    with target_cudnn(), _device_in_context(sharding):
         return jax.jit(step, donate_argnums=donate_argnums).trace(*placed).lower()
+
+
+@contextlib.contextmanager
+def _device_in_context(sharding) -> Iterator[None]:
+    """The one-device abstract mesh of a `SingleDeviceSharding`'s device, in context."""
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        yield
+        return
+    import numpy as np
+    from jax._src import mesh as mesh_lib  # use_abstract_mesh: not public in jax 0.10
+
+    (device,) = sharding.device_set
+    mesh = jax.sharding.Mesh(np.array([device]), ("device",))
+    with mesh_lib.use_abstract_mesh(mesh.abstract_mesh):
+        yield
 
 
 def compile_step(step, args, sharding, donate_argnums=(0,)):
