@@ -31,7 +31,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mpjax._src.core.sharding import match_varying
-from mpjax._src.fp8.blocks import BLOCK_SCALINGS, dequantize_blocks, quantize_blocks
+from mpjax._src.fp8.blocks import (
+    BLOCK_SCALINGS,
+    BlockQuantized,
+    dequantize_blocks,
+    quantize_blocks,
+)
 from mpjax._src.fp8.recipe import Fp8Recipe
 from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm
 
@@ -181,9 +186,12 @@ def _rows_scales(bq) -> jax.Array:
 
 
 def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
-    """`a @ b.T` for 2-D `[M, K]`, `[N, K]` operands, each quantised along K."""
+    """`a @ b.T` for 2-D `[M, K]`, `[N, K]` operands, each quantised along K (or given as a
+    `BlockQuantized` quantised so already)."""
     qa, qb = (
-        quantize_blocks(x, recipe, axis=1, role=role, key=key)
+        x
+        if isinstance(x, BlockQuantized)
+        else quantize_blocks(x, recipe, axis=1, role=role, key=key)
         for x, role, key in zip((a, b), roles, keys, strict=True)
     )
     if not native:
@@ -195,7 +203,7 @@ def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
         return blockwise_fp8_gemm(
             qa.data, _rows_scales(qa), qb.data, _rows_scales(qb), out_dtype=compute
         )
-    k = a.shape[1]
+    k = qa.data.shape[1]
     pad = [(0, 0), (0, -k % qa.block[1])]
     out = jax.nn.scaled_matmul(
         jnp.pad(qa.data, pad)[None],
@@ -287,9 +295,11 @@ def block_scaled_dot_general(
         )
     lc, rc = tuple(lc), tuple(rc)
     compute = np.dtype(compute_dtype)
+    lhs, rhs = match_varying(lhs, rhs)  # under shard_map(check_vma=True)
     native = native_block_gemms(recipe, lhs, rhs)
     w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"
+    a_shape, a_dtype, a_sharding = lhs.shape, lhs.dtype, _sharding(lhs)
 
     def forward(a_in, b_in):
         a, b = _replicated(a_in), _replicated(b_in)
@@ -299,32 +309,52 @@ def block_scaled_dot_general(
         a_free = [a.shape[i] for i in range(a.ndim) if i not in lc]
         b_free = [b.shape[i] for i in range(b.ndim) if i not in rc]
         out = out.reshape(a_free + b_free).astype(compute)
-        return _like(out, _plain_product(a_in, b_in, (lc, rc), compute)), (a_in, b_in)
+        # over Explicit axes `a` is kept as it came (sharded): its copy would be whole here
+        kept = a_in if a_sharding is not None else _weight_gradient_copy(recipe, a, lc)
+        return _like(out, _plain_product(a_in, b_in, (lc, rc), compute)), (kept, b_in)
 
     def backward(saved, g):
-        a_in, b_in = saved
-        a, b, g = _replicated(a_in), _replicated(b_in), _replicated(g)
-        na = a.ndim - len(lc)
+        kept, b_in = saved
+        if not isinstance(kept, BlockQuantized):
+            kept = _weight_gradient_copy(recipe, _replicated(kept), lc)
+        b, g = _replicated(b_in), _replicated(g)
+        na = len(a_shape) - len(lc)
         g_rows = g.reshape(int(np.prod(g.shape[:na])), -1)  # [M, N]
         # input gradient: g [M, N] . (w as [K, N])^T, both quantised along N
         # K flattened in the forward's pairing order (rc's / lc's order, not sorted)
         b_kn = _contracted_rows(b, rc)  # [K, N]
         da = _gemm(recipe, g_rows, b_kn, ("gradient", w_role), native, compute)
-        a_free = [i for i in range(a.ndim) if i not in lc]
-        da = da.reshape([a.shape[i] for i in a_free] + [a.shape[i] for i in lc])
+        a_free = [i for i in range(len(a_shape)) if i not in lc]
+        da = da.reshape([a_shape[i] for i in a_free] + [a_shape[i] for i in lc])
         da = jnp.transpose(da, np.argsort(a_free + list(lc)))
-        # weight gradient: (w free) x (w contracted): g^T [N, M] . (a as [K, M])^T along M
-        a_km = _contracted_rows(a, lc)  # [K, M]
+        # weight gradient: (w free) x (w contracted): g^T [N, M] . (a as [K, M])^T along M,
+        # `a`'s side quantised in the forward (`_weight_gradient_copy`)
         g_nm, key = g_rows.T, None
-        if nvfp4:  # Hadamard-rotate both along the tokens; round the gradient stochastically
+        if nvfp4:  # Hadamard-rotate along the tokens; round the gradient stochastically
             key = _gradient_key(g)
-            a_km, g_nm = random_hadamard(a_km, 1), random_hadamard(g_nm, 1)
-        db = _gemm(recipe, g_nm, a_km, ("gradient", "activation"), native, compute, (key, None))
+            g_nm = random_hadamard(g_nm, 1)
+        db = _gemm(recipe, g_nm, kept, ("gradient", "activation"), native, compute, (key, None))
         b_free = [i for i in range(b.ndim) if i not in rc]
         db = db.reshape([b.shape[i] for i in b_free] + [b.shape[i] for i in rc])
         db = jnp.transpose(db, np.argsort(b_free + list(rc)))
-        return _like(da.astype(a.dtype), a_in), _like(db.astype(b.dtype), b_in)
+        da = da.astype(a_dtype)
+        da = da if a_sharding is None else jax.sharding.reshard(da, a_sharding)
+        return da, _like(db.astype(b.dtype), b_in)
 
     op = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     op.defvjp(forward, backward)
-    return op(*match_varying(lhs, rhs))  # under shard_map(check_vma=True)
+    return op(lhs, rhs)
+
+
+def _weight_gradient_copy(recipe: Fp8Recipe, a: jax.Array, contract: tuple[int, ...]) -> Any:
+    """The weight gradient's operand made from the activation `a` in the forward: `a` as
+    `[K, M]` (Hadamard-rotated along the tokens for NVFP4), block-quantised along the tokens.
+
+    It is what the backward would quantise, so the gradients are the same bits; kept as the
+    GEMM's residual in place of `a` itself, it is 1 byte an element (NVFP4: half) with its
+    scales where `a` was 2 (bfloat16) or 4.
+    """
+    a_km = _contracted_rows(a, contract)
+    if recipe.scaling == "nvfp4":
+        a_km = random_hadamard(a_km, 1)
+    return quantize_blocks(a_km, recipe, axis=1, role="activation")
