@@ -141,7 +141,7 @@ def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
         _rows_scales(qb)[None],
     )[0]
     if qa.tensor_scale is not None:
-        out = out / (qa.tensor_scale * qb.tensor_scale)
+        out = out / qa.tensor_scale / qb.tensor_scale  # their product may overflow
     return out
 
 
