@@ -71,7 +71,8 @@ def _error_bound(x: np.ndarray, scaling: str, block) -> np.ndarray:
 
 def _tiny_rows(amax: float) -> np.ndarray:
     """[8, 256]: row 0 tiny values (magnitudes amax / 8 .. amax, signs mixed, zeros among
-    them), row 1 half 1.5e-38 and half zeros, every other row zero (whole blocks of zeros, in 2-D weight blocks too)."""
+    them), row 1 half 1.5e-38 and half zeros, every other row zero (whole blocks of zeros,
+    in 2-D weight blocks too)."""
     rng = np.random.default_rng(0)
     x = np.zeros((8, 256), np.float32)
     row = amax * rng.uniform(0.125, 1.0, 256) * rng.choice([-1.0, 1.0], 256)

@@ -306,4 +306,3 @@ def _times_e8m0(data: jax.Array, scales: jax.Array, block: tuple[int, ...]) -> j
     scale = jax.lax.bitcast_convert_type(jnp.maximum(bits, 1) << 23, _F32)
     out = data * jnp.where(bits == 255, jnp.nan, scale)
     return jnp.where(bits == 0, out * _F32(0.5), out)
-
