@@ -22,6 +22,7 @@ Per GEMM, as the recipes prescribe:
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import jax
@@ -93,6 +94,32 @@ def native_block_gemms(recipe: Fp8Recipe) -> bool:
         return False
     capability = float(getattr(jax.devices()[0], "compute_capability", "0"))
     return capability >= (8.9 if recipe.scaling == "blockwise" else 10)
+
+
+def _gpu_lowering_possible() -> bool:
+    """Whether this process can lower for a GPU: a GPU backend, or a CUDA plugin installed
+    (a deviceless compile for a GPU topology from a host without one)."""
+    if jax.default_backend() == "gpu":
+        return True
+    plugins = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+    try:
+        return any(importlib.util.find_spec(name) is not None for name in plugins)
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+def _check_native(recipe: Fp8Recipe) -> None:
+    """Refuses `block_lowering="native"` for MXFP8 and NVFP4 where no GPU can run them."""
+    if recipe.block_lowering != "native" or recipe.scaling == "blockwise":
+        return
+    if not _gpu_lowering_possible():
+        raise ValueError(
+            f"block_scaled_dot_general: Fp8Recipe(scaling={recipe.scaling!r}, "
+            f"block_lowering='native') needs a GPU (cuDNN block-scaled GEMMs through "
+            f"jax.nn.scaled_matmul, compute capability 10 or above); the default backend is "
+            f"{jax.default_backend()!r}. Use block_lowering='emulated' (the format's numbers "
+            "on any device) or 'auto' (native where it can run)"
+        )
 
 
 def _as_rows(x: jax.Array, contract: tuple[int, ...]) -> jax.Array:
@@ -224,6 +251,7 @@ def block_scaled_dot_general(
         )
     lc, rc = tuple(lc), tuple(rc)
     compute = np.dtype(compute_dtype)
+    _check_native(recipe)
     native = native_block_gemms(recipe)
     w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"

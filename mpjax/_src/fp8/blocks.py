@@ -102,6 +102,7 @@ def block_shape(scaling: str, ndim: int, axis: int, role: str = "activation") ->
         raise ValueError(f"block_shape: scaling={scaling!r}; expected one of {BLOCK_SCALINGS}")
     if role not in _ROLES:
         raise ValueError(f"block_shape: role={role!r}; expected one of {_ROLES}")
+    _check_axis(axis, "block_shape")
     if not -ndim <= axis < ndim:
         raise ValueError(f"block_shape: axis={axis} is out of range for a {ndim}-d tensor")
     axis %= ndim
@@ -117,6 +118,16 @@ def block_shape(scaling: str, ndim: int, axis: int, role: str = "activation") ->
             )
         blocks[1 - axis] = across
     return tuple(blocks)
+
+
+def _check_axis(axis: Any, caller: str) -> None:
+    """Refuses an `axis` that is not an int (`1.0`, `True`), naming `caller`."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        hint = int(axis) if isinstance(axis, float) and axis.is_integer() else -1
+        raise TypeError(
+            f"{caller}: axis={axis!r} must be an int (the contraction axis; negative counts "
+            f"from the end), e.g. axis={hint}"
+        )
 
 
 def _scaling_of(recipe: Any) -> tuple[str, bool]:
@@ -264,6 +275,7 @@ def quantize_blocks(
             f"quantize_blocks: key= (stochastic rounding) applies to 'nvfp4' elements only; "
             f"{scaling} rounds to nearest even: pass key=None"
         )
+    _check_axis(axis, "quantize_blocks")
     block = block_shape(scaling, x.ndim, axis, role)
     xf = x.astype(_F32)
     amax_b = _reduce_blocks(jnp.abs(xf), block)
