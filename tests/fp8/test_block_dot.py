@@ -183,3 +183,14 @@ def test_blockwise_native_runs_the_kernel_with_the_emulated_numbers(monkeypatch)
     recipe = Fp8Recipe("blockwise", block_lowering="native", min_dim=16)
     (op,) = fp8_ops(lambda a, b: a @ b, recipe, x, w)
     assert op.lowering == "native blockwise"
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal is for hosts without one")
+@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
+def test_native_lowering_without_a_gpu_is_refused_at_the_call(scaling):
+    """It failed at lowering with "MLIR translation rule for primitive 'scaled_matmul' not
+    found for platform cpu"; now the call names block_lowering and the fix."""
+    recipe = Fp8Recipe(scaling, block_lowering="native", min_dim=16)
+    dims = (((1,), (0,)), ((), ()))
+    with pytest.raises(ValueError, match="block_lowering='native'\\) needs a GPU.*'emulated'"):
+        block_scaled_dot_general(jnp.ones((4, 32)), jnp.ones((32, 8)), dims, recipe, jnp.float32)
