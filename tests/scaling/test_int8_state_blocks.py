@@ -128,3 +128,17 @@ def test_multisteps_accumulator_keeps_its_dtype():
     plain = inner.update(g1, plain, params)[1]
     want = inner.update(g2, plain, params)[0]
     np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6)
+
+
+def test_default_block_length_from_explicit_axes_under_jit():
+    """Under `jit` the sharding is seen where the axes are Explicit (the type carries it)."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = mpjax.low_precision_state(optax.adam(1e-3), jnp.int8)
+    w = jax.ShapeDtypeStruct(
+        (384, 1000), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp"))
+    )
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(tx.init, {"w": w})
+    assert state.inner_state[0].mu["w"].scales.shape == (384, 8)
+    auto = jax.ShapeDtypeStruct((384, 1000), jnp.float32)  # no sharding seen: 256 long
+    assert jax.eval_shape(tx.init, {"w": auto}).inner_state[0].mu["w"].scales.shape == (384, 4)
