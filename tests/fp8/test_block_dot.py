@@ -9,6 +9,7 @@ import pytest
 
 import mpjax
 from mpjax import Fp8Recipe
+from mpjax._src.fp8 import block_dot
 from mpjax.fp8 import (
     block_scaled_dot_general,
     dequantize_blocks,
@@ -116,6 +117,8 @@ def test_native_lowering_computes_what_the_emulated_one_does(scaling, monkeypatc
     # The operands, block scales, K padding and tensor scales handed to scaled_matmul give
     # the emulated path's numbers (the weight gradient contracts M = 48: a padded block).
     monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul_as_documented)
+    # scaled_matmul stands in for the GPU: the refusal of "native" without one is lifted
+    monkeypatch.setattr(block_dot, "_gpu_lowering_possible", lambda: True)
     x, w, g = _operands()
 
     def grads(lowering):
@@ -156,7 +159,7 @@ def test_several_contracted_axes_pair_in_the_given_order():
 def test_blockwise_native_runs_the_kernel_with_the_emulated_numbers(monkeypatch):
     # "native" blockwise GEMMs are mpjax's Pallas kernel (fp8 GEMMs promoted per K block),
     # here in interpret mode; all three GEMMs equal the dequantised (emulated) ones.
-    from mpjax._src.fp8 import block_dot
+
     from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm
 
     calls = []
@@ -183,3 +186,14 @@ def test_blockwise_native_runs_the_kernel_with_the_emulated_numbers(monkeypatch)
     recipe = Fp8Recipe("blockwise", block_lowering="native", min_dim=16)
     (op,) = fp8_ops(lambda a, b: a @ b, recipe, x, w)
     assert op.lowering == "native blockwise"
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal is for hosts without one")
+@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4"])
+def test_native_lowering_without_a_gpu_is_refused_at_the_call(scaling):
+    """It failed at lowering with "MLIR translation rule for primitive 'scaled_matmul' not
+    found for platform cpu"; now the call names block_lowering and the fix."""
+    recipe = Fp8Recipe(scaling, block_lowering="native", min_dim=16)
+    dims = (((1,), (0,)), ((), ()))
+    with pytest.raises(ValueError, match="block_lowering='native'\\) needs a GPU.*'emulated'"):
+        block_scaled_dot_general(jnp.ones((4, 32)), jnp.ones((32, 8)), dims, recipe, jnp.float32)

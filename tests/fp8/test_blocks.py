@@ -264,6 +264,8 @@ def test_is_a_pytree_that_survives_jit():
         (lambda: quantize_blocks(jnp.ones((4, 32)), "mxfp8", role="bias"), "role='bias'"),
         (lambda: quantize_blocks(jnp.ones((2, 4, 32)), "nvfp4", role="weight"), "2-D weight"),
         (lambda: quantize_blocks(jnp.ones((4, 32)), "mxfp8", axis=2), "axis=2"),
+        (lambda: quantize_blocks(jnp.ones((4, 32)), "mxfp8", axis=1.0), "axis=1.0 must be an int"),
+        (lambda: block_shape("mxfp8", 2, axis=True), "axis=True must be an int"),
         (lambda: quantize_blocks(jnp.ones((4, 32), jnp.int32), "mxfp8"), "int32"),
         (lambda: quantize_blocks(jnp.ones((4, 32)), "mxfp8", key=jax.random.key(0)), "nvfp4"),
         (lambda: dequantize_blocks(jnp.ones(3)), "BlockQuantized"),

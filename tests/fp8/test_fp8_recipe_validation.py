@@ -23,6 +23,10 @@ from mpjax import Fp8Recipe
         ({"min_dim": "64"}, TypeError, "min_dim='64'"),
         ({"scaling": ["rowwise"]}, ValueError, r"scaling=\['rowwise'\]"),
         ({"exclude_if": "*/head"}, TypeError, "exclude_if='\\*/head'"),
+        # block-scaled recipes take no margin (it was ignored): refused, naming it
+        ({"scaling": "mxfp8", "margin": 2}, ValueError, "margin=2 with scaling='mxfp8'"),
+        ({"scaling": "nvfp4", "margin": 1}, ValueError, "margin=1 with scaling='nvfp4'"),
+        ({"scaling": "blockwise", "margin": 0.5}, ValueError, "margin=0.5 with scaling="),
     ],
 )
 def test_recipe_refuses_bad_field_naming_it(kwargs, error, culprit):
@@ -37,3 +41,4 @@ def test_recipe_accepts_numpy_scalars_and_the_margin_bound():
     assert 448 * 2.0**-14 >= float(jnp.finfo(jnp.float8_e4m3fn).smallest_normal)
     assert Fp8Recipe(exclude="*/head").exclude == ("*/head",)
     assert Fp8Recipe(power_of_two_scale=False).power_of_two is False
+    assert Fp8Recipe("mxfp8", margin=0).margin == 0.0  # the default stays accepted

@@ -234,3 +234,31 @@ def test_skips_at_min_scale_diverge_with_a_message_naming_the_fix():
         mpjax.TrainingDivergedError, match=r"min_scale=1.*DynamicLossScale\(min_scale="
     ):
         mpjax.raise_if_diverged(state)
+
+
+def test_loss_scaled_inside_multisteps_is_refused_naming_the_right_order():
+    """`MultiSteps(loss_scaled(inner))` accumulates scaled micro-batch gradients unchecked and
+    resets its accumulator by multiplying with 0, so one overflow (0 * NaN) skipped every
+    later window, silently; every helper that reads the scale now refuses the nesting."""
+    params = {"w": jnp.ones(2)}
+    wrong = optax.MultiSteps(mpjax.loss_scaled(optax.sgd(0.1)), every_k_schedule=2)
+    state = wrong.init(params)
+    right_order = r"mpjax\.loss_scaled\(optax\.MultiSteps\(inner, k\)\)"
+    for helper in (
+        mpjax.get_loss_scale,
+        lambda s: mpjax.scale_loss(1.0, s),
+        mpjax.scaling_metrics,
+        mpjax.raise_if_diverged,
+    ):
+        with pytest.raises(ValueError, match=right_order):
+            helper(state)
+    # unchecked (NoOpLossScale: nothing to skip) it is refused by nothing
+    noop = optax.MultiSteps(mpjax.loss_scaled(optax.sgd(0.1), mpjax.NoOpLossScale()), 2)
+    assert float(mpjax.get_loss_scale(noop.init(params))) == 1.0
+    # the right order: an overflowing micro-batch is dropped and the next window steps
+    tx = mpjax.loss_scaled(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    state, p = tx.init(params), params
+    for g in (jnp.full(2, jnp.inf), jnp.ones(2), jnp.ones(2)):
+        updates, state = tx.update({"w": g * mpjax.get_loss_scale(state)}, state, p)
+        p = optax.apply_updates(p, updates)
+    np.testing.assert_allclose(np.asarray(p["w"]), 1.0 - 0.1, rtol=1e-6)

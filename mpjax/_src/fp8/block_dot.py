@@ -22,6 +22,7 @@ Per GEMM, as the recipes prescribe:
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import jax
@@ -163,6 +164,32 @@ def native_block_gemms(recipe: Fp8Recipe, *operands: Any) -> bool:
     return target_capability(*operands) >= (8.9 if recipe.scaling == "blockwise" else 10)
 
 
+def _gpu_lowering_possible() -> bool:
+    """Whether this process can lower for a GPU: a GPU backend, or a CUDA plugin installed
+    (a deviceless compile for a GPU topology from a host without one)."""
+    if jax.default_backend() == "gpu":
+        return True
+    plugins = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+    try:
+        return any(importlib.util.find_spec(name) is not None for name in plugins)
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+def _check_native(recipe: Fp8Recipe) -> None:
+    """Refuses `block_lowering="native"` for MXFP8 and NVFP4 where no GPU can run them."""
+    if recipe.block_lowering != "native" or recipe.scaling == "blockwise":
+        return
+    if not _gpu_lowering_possible():
+        raise ValueError(
+            f"block_scaled_dot_general: Fp8Recipe(scaling={recipe.scaling!r}, "
+            f"block_lowering='native') needs a GPU (cuDNN block-scaled GEMMs through "
+            f"jax.nn.scaled_matmul, compute capability 10 or above); the default backend is "
+            f"{jax.default_backend()!r}. Use block_lowering='emulated' (the format's numbers "
+            "on any device) or 'auto' (native where it can run)"
+        )
+
+
 def _as_rows(x: jax.Array, contract: tuple[int, ...]) -> jax.Array:
     """`x` as a 2-D `[free, contracted]` array (both flattened in axis order)."""
     free = [i for i in range(x.ndim) if i not in contract]
@@ -212,7 +239,7 @@ def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
         _rows_scales(qb)[None],
     )[0]
     if qa.tensor_scale is not None:
-        out = out / (qa.tensor_scale * qb.tensor_scale)
+        out = out / qa.tensor_scale / qb.tensor_scale  # their product may overflow
     return out
 
 
@@ -295,6 +322,7 @@ def block_scaled_dot_general(
         )
     lc, rc = tuple(lc), tuple(rc)
     compute = np.dtype(compute_dtype)
+    _check_native(recipe)
     lhs, rhs = match_varying(lhs, rhs)  # under shard_map(check_vma=True)
     native = native_block_gemms(recipe, lhs, rhs)
     w_role = "weight" if np.ndim(rhs) == 2 else "activation"

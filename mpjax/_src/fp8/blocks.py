@@ -22,6 +22,10 @@ holding inf or NaN gets a NaN scale, so its whole block dequantises to NaN (OCP:
 scale); for NVFP4 the per-tensor scale is NaN then, so the whole tensor does. An all-zero
 block gets the smallest scale (`2**-127` for MXFP8; 1 for blockwise; its NVFP4 scale is 0)
 and zero elements. A trailing partial block is scaled by the amax of the elements it has.
+Tiny blocks stay finite where float32 (whose subnormals XLA flushes to zero) cannot hold the
+spec's scale: a blockwise scale is at least float32's smallest normal (amax below ~5e-36),
+NVFP4's tensor scale at most `2**125` (amax below ~6e-35), and MXFP8's `2**-127` dequantises
+as `2**-126` then halved.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ _ROLES = ("activation", "weight", "gradient")
 _F32 = jnp.float32
 _E4M3_MAX = 448.0
 _E2M1_MAX = 6.0
+_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal: XLA flushes subnormals
+# NVFP4's tensor scale at most 2**125: dequantising divides by it, which XLA computes with
+# its reciprocal, a normal float32 only up to 2**126
+_TENSOR_SCALE_MAX = 2.0**125
 # (block along the contraction axis, block along the other axis of a 2-D weight)
 _BLOCKS = {"mxfp8": (32, 1), "nvfp4": (16, 16), "blockwise": (128, 128)}
 
@@ -94,6 +102,7 @@ def block_shape(scaling: str, ndim: int, axis: int, role: str = "activation") ->
         raise ValueError(f"block_shape: scaling={scaling!r}; expected one of {BLOCK_SCALINGS}")
     if role not in _ROLES:
         raise ValueError(f"block_shape: role={role!r}; expected one of {_ROLES}")
+    _check_axis(axis, "block_shape")
     if not -ndim <= axis < ndim:
         raise ValueError(f"block_shape: axis={axis} is out of range for a {ndim}-d tensor")
     axis %= ndim
@@ -109,6 +118,16 @@ def block_shape(scaling: str, ndim: int, axis: int, role: str = "activation") ->
             )
         blocks[1 - axis] = across
     return tuple(blocks)
+
+
+def _check_axis(axis: Any, caller: str) -> None:
+    """Refuses an `axis` that is not an int (`1.0`, `True`), naming `caller`."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        hint = int(axis) if isinstance(axis, float) and axis.is_integer() else -1
+        raise TypeError(
+            f"{caller}: axis={axis!r} must be an int (the contraction axis; negative counts "
+            f"from the end), e.g. axis={hint}"
+        )
 
 
 def _scaling_of(recipe: Any) -> tuple[str, bool]:
@@ -172,7 +191,9 @@ def _quantize_blockwise(xf, amax_b, block, power_of_two):
         k = _pow2_at_least(amax_b, _E4M3_MAX).clip(-126, 127)
         scales = _exp2(k)
     else:
-        scales = amax_b / _F32(_E4M3_MAX)
+        # at least the smallest normal: amax / 448 of a block below ~5e-36 would flush to 0
+        # (0 / 0 = NaN for its zeros); its elements then span less of e4m3's range
+        scales = jnp.maximum(amax_b / _F32(_E4M3_MAX), _F32(_TINY))
     scales = jnp.where(amax_b == 0, _F32(1.0), scales)
     scales = jnp.where(bad, jnp.nan, scales).astype(_F32)
     q = xf / _expand_blocks(scales, block, xf.shape)
@@ -193,12 +214,21 @@ def _round_e2m1(v: jax.Array, key: jax.Array | None) -> jax.Array:
 
 def _quantize_nvfp4(xf, amax_b, block, key):
     amax_t = jnp.max(jnp.abs(xf))
-    tensor_scale = jnp.where(amax_t == 0, _F32(1.0), _F32(_E4M3_MAX * _E2M1_MAX) / amax_t)
+    # 2688 / amax overflows for amax below ~8e-36, and its reciprocal flushes to zero below
+    # ~6e-35: at most 2**125 (block scales below amax_t / 2**20 then shrink, as they do)
+    t = jnp.minimum(_F32(_E4M3_MAX * _E2M1_MAX) / amax_t, _F32(_TENSOR_SCALE_MAX))
+    tensor_scale = jnp.where(amax_t == 0, _F32(1.0), t)
     tensor_scale = jnp.where(jnp.isfinite(amax_t), tensor_scale, jnp.nan).astype(_F32)
-    scaled = jnp.minimum(amax_b / _F32(_E2M1_MAX) * tensor_scale, _F32(_E4M3_MAX))
-    scales = scaled.astype(jnp.float8_e4m3fn)
+    # the spec's amax / 6 * t, unless amax / 6 would flush to zero (amax below ~7e-38)
+    decode = jnp.where(
+        amax_b < _F32(_E2M1_MAX * _TINY),
+        amax_b * (tensor_scale / _F32(_E2M1_MAX)),
+        amax_b / _F32(_E2M1_MAX) * tensor_scale,
+    )
+    scales = jnp.minimum(decode, _F32(_E4M3_MAX)).astype(jnp.float8_e4m3fn)
     block_scale = _expand_blocks(scales.astype(_F32), block, xf.shape)
-    v = xf * (tensor_scale / block_scale)
+    ratio = tensor_scale / block_scale  # overflows for a huge t over a small block scale
+    v = jnp.where(jnp.isinf(ratio), xf * tensor_scale / block_scale, xf * ratio)
     v = jnp.where(block_scale == 0, 0.0, jnp.clip(v, -_E2M1_MAX, _E2M1_MAX))
     return _round_e2m1(v, key), scales, tensor_scale
 
@@ -245,6 +275,7 @@ def quantize_blocks(
             f"quantize_blocks: key= (stochastic rounding) applies to 'nvfp4' elements only; "
             f"{scaling} rounds to nearest even: pass key=None"
         )
+    _check_axis(axis, "quantize_blocks")
     block = block_shape(scaling, x.ndim, axis, role)
     xf = x.astype(_F32)
     amax_b = _reduce_blocks(jnp.abs(xf), block)
@@ -269,8 +300,21 @@ def dequantize_blocks(bq: BlockQuantized, dtype: Any = _F32) -> jax.Array:
     """
     if not isinstance(bq, BlockQuantized):
         raise TypeError(f"dequantize_blocks: expected a BlockQuantized, got {type(bq).__name__}")
-    scale = _expand_blocks(bq.scales.astype(_F32), bq.block, bq.data.shape)
-    out = bq.data.astype(_F32) * scale
+    data = bq.data.astype(_F32)
+    if bq.scales.dtype == jnp.float8_e8m0fnu:
+        out = _times_e8m0(data, bq.scales, bq.block)
+    else:
+        out = data * _expand_blocks(bq.scales.astype(_F32), bq.block, bq.data.shape)
     if bq.tensor_scale is not None:
         out = out / bq.tensor_scale
     return out.astype(np.dtype(dtype))
+
+
+def _times_e8m0(data: jax.Array, scales: jax.Array, block: tuple[int, ...]) -> jax.Array:
+    """`data * 2**k` per block: E8M0's `2**-127` is a float32 subnormal (flushed to zero by
+    XLA), so that scale multiplies as `2**-126` and then halves the (normal) product."""
+    bits = _expand_blocks(jax.lax.bitcast_convert_type(scales, jnp.uint8), block, data.shape)
+    bits = bits.astype(jnp.int32)
+    scale = jax.lax.bitcast_convert_type(jnp.maximum(bits, 1) << 23, _F32)
+    out = data * jnp.where(bits == 255, jnp.nan, scale)
+    return jnp.where(bits == 0, out * _F32(0.5), out)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpjax._src.core.gpu_peaks import GPU_PEAKS
+from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.layouts import free_axes
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
@@ -147,5 +148,7 @@ def choose_gemm_format(recipe: Fp8Recipe, site: Fp8Site, compute_dtype) -> GemmC
 
 
 def recipe_for_format(recipe: Fp8Recipe, fmt: str) -> Fp8Recipe:
-    """`recipe` running `fmt` with no further choice (what the chosen GEMM runs with)."""
-    return dataclasses.replace(recipe, scaling=fmt, choose="fixed", target=None)
+    """`recipe` running `fmt` with no further choice (what the chosen GEMM runs with); a
+    block-scaled `fmt` takes no margin (its scales come from each block's amax)."""
+    margin = 0.0 if fmt in BLOCK_SCALINGS else recipe.margin
+    return dataclasses.replace(recipe, scaling=fmt, choose="fixed", target=None, margin=margin)

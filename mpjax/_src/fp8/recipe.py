@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._src.fp8.blocks import BLOCK_SCALINGS
+
 __all__ = ["FP8_DTYPES", "Fp8Recipe", "Fp8Site"]
 
 # The two OCP float8 formats Hopper tensor cores multiply (e4m3fn: max 448; e5m2: max 57344).
@@ -138,7 +140,8 @@ class Fp8Recipe:
       amax_compute: `"max"` (the maximum over the history: TE's default, the safest against
         overflow) or `"most_recent"` (the last step's amax: tracks a shrinking range).
       margin: scales are divided by `2**margin`, headroom against next step's growth; 0 is
-        TE's and torchao's default (current scaling needs none).
+        TE's and torchao's default (current scaling needs none). Tensorwise, rowwise and
+        delayed scaling only: the block-scaled recipes refuse a non-zero margin.
       power_of_two_scale: round each scale down to a power of two, so scaling is exact
         (only the exponent changes); `None` means on for rowwise (torchao's rowwise recipe)
         and off otherwise.
@@ -173,8 +176,9 @@ class Fp8Recipe:
 
     Raises:
       ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a margin
-        outside `[0, 14]` (the bound of float8_e4m3fn: beyond it the amax falls below the
-        smallest normal), a history length below 1 or a `min_dim` below 16, naming the field.
+        with a block-scaled recipe or outside `[0, 14]` (the bound of float8_e4m3fn: beyond
+        it the amax falls below the smallest normal), a history length below 1 or a
+        `min_dim` below 16, naming the field.
       TypeError: a field of the wrong type (a string margin, `power_of_two_scale="no"`,
         `exclude=5` or a list of non-strings), naming the field and its value.
 
@@ -233,6 +237,13 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe: amax_history_len={history} must be at least 1")
         object.__setattr__(self, "amax_history_len", history)
         object.__setattr__(self, "margin", _margin(self.margin, forward, backward))
+        if self.margin and self.scaling in BLOCK_SCALINGS:
+            raise ValueError(
+                f"Fp8Recipe: margin={self.margin:g} with scaling={self.scaling!r}; the block-"
+                "scaled recipes take each block's scale from its own amax (their specs have no "
+                "margin), so it would be ignored: drop margin= (or use scaling='tensorwise', "
+                "'rowwise' or 'delayed', which divide their scales by 2**margin)"
+            )
         for field in ("power_of_two_scale", "high_precision_grad_weight"):
             object.__setattr__(self, field, _flag(getattr(self, field), field))
         min_dim = _integer(self.min_dim, "min_dim")

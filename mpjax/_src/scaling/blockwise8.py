@@ -35,7 +35,16 @@ from jax import lax
 
 from mpjax._src.scaling.random_bits import random_bits16
 
-__all__ = ["CODEBOOK", "Blockwise8", "block_length", "codebook", "dequantize", "quantize"]
+__all__ = [
+    "CODEBOOK",
+    "Blockwise8",
+    "block_length",
+    "codebook",
+    "dequantize",
+    "quantize",
+    "sharded_block_length",
+    "stored_block_length",
+]
 
 DECADES = 7  # decade k = 0 .. 6 holds 2 ** (6 - k) points; the last one is the point 1e-6
 _LN10 = math.log(10.0)
@@ -95,6 +104,8 @@ def block_length(shape: tuple[int, ...], block_size: BlockSize) -> int:
       An int >= 1.
     """
     last = shape[-1] if shape else 1
+    if last == 0:  # no elements along the last axis: no blocks, any length holds them
+        return 1
     b = block_size(tuple(shape)) if callable(block_size) else min(block_size, last)
     if isinstance(b, bool) or not isinstance(b, int | np.integer) or b < 1:
         raise ValueError(
@@ -103,18 +114,59 @@ def block_length(shape: tuple[int, ...], block_size: BlockSize) -> int:
     return int(b)
 
 
+LEGACY_BLOCK = 256  # the block length of `low_precision_state`'s int default before "auto"
+
+
+def sharded_block_length(shape: tuple[int, ...], piece: int) -> int:
+    """The default block length of an array of `shape` whose last axis each device holds
+    `piece` elements of: the largest divisor of `piece` up to 256, so no block straddles
+    two devices (skipping one whose block count a 256-long layout would share, so that
+    `stored_block_length` reads it back unambiguously).
+
+    Args:
+      shape: the array's shape.
+      piece: the elements of the last axis on each device (`shape[-1]` when not split).
+
+    Returns:
+      An int >= 1 dividing `piece` (and `shape[-1]`).
+    """
+    last = shape[-1] if shape else 1
+    legacy = -(-last // LEGACY_BLOCK)
+    for b in range(min(LEGACY_BLOCK, piece), 0, -1):
+        if piece % b == 0 and (b == min(LEGACY_BLOCK, last) or last // b != legacy):
+            return b
+    return 1  # piece == 0: no elements
+
+
+def stored_block_length(shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> int:
+    """The block length a `Blockwise8` of `shape` was written with under the default
+    `block_size=None`, read from its scales' shape: the 256-long layout where the block
+    count is its count (or the scales are in the old flattened layout), else
+    `shape[-1] / count` (a `sharded_block_length`). A count that fits neither gets the
+    256-long layout, which `dequantize` then refuses with the shapes.
+    """
+    last = shape[-1] if shape else 1
+    count = scales_shape[-1] if scales_shape else 1
+    if last == 0 or tuple(scales_shape[:-1]) != tuple(shape[:-1]):
+        return LEGACY_BLOCK if last else 1
+    if count == -(-last // min(LEGACY_BLOCK, last)) or last % count:
+        return min(LEGACY_BLOCK, last)
+    return last // count
+
+
 def _blocks(x: jax.Array, b: int) -> jax.Array:
     """[..., L] -> [..., ceil(L / b), b], the last axis zero-padded."""
     x = x.reshape(1) if x.ndim == 0 else x
     pad = (-x.shape[-1]) % b
     if pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(*x.shape[:-1], -1, b)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // b, b)  # no -1: a size-0 array has none
 
 
 def _unblock(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     last = shape[-1] if shape else 1
-    return blocks.reshape(*blocks.shape[:-2], -1)[..., :last].reshape(shape)
+    flat = blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])
+    return flat[..., :last].reshape(shape)
 
 
 def _code_index(a: jax.Array, seed: jax.Array | None) -> jax.Array:

@@ -20,7 +20,14 @@ import optax
 
 from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.policy import DTYPE_NAMES
-from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
+from mpjax._src.scaling.blockwise8 import (
+    LEGACY_BLOCK,
+    Blockwise8,
+    dequantize,
+    quantize,
+    sharded_block_length,
+    stored_block_length,
+)
 from mpjax._src.scaling.random_bits import fmix32 as _fmix32
 from mpjax._src.scaling.random_bits import random_bits16 as _random_bits16
 
@@ -122,13 +129,61 @@ def _check_rounding(rounding: str | None, dtype: np.dtype) -> str:
     return rounding
 
 
+def _accumulators(tree: Any) -> list[bool]:
+    """Per leaf of `tree`: whether it is an `optax.MultiSteps` gradient accumulator (kept
+    in its own dtype: summed gradients, not optimizer statistics meant to be compressed)."""
+
+    def mark(node):
+        if not isinstance(node, optax.MultiStepsState):
+            return False
+        flags = jax.tree.map(lambda _: False, node)
+        return flags._replace(
+            inner_opt_state=_mask(node.inner_opt_state),
+            acc_grads=jax.tree.map(lambda _: True, node.acc_grads),
+        )
+
+    def _mask(tree):
+        return jax.tree.map(mark, tree, is_leaf=lambda n: isinstance(n, optax.MultiStepsState))
+
+    return jax.tree.leaves(_mask(tree))
+
+
+def _shard_piece(x: Any) -> int | None:
+    """The elements of `x`'s last axis each device holds, where its sharding is known (a
+    committed array, or an Explicit-axes type under `jit`); None where it is not."""
+    if isinstance(x, jax.core.Tracer):  # its type's sharding: split over Explicit axes only
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    else:
+        sharding = getattr(x, "sharding", None)
+    if sharding is None or not np.ndim(x):
+        return None
+    try:
+        return int(sharding.shard_shape(tuple(x.shape))[-1])
+    except (ValueError, TypeError, AttributeError, NotImplementedError):
+        return None
+
+
+def _sharded_lengths(tree: Any) -> list[int]:
+    """The default block length of each leaf: a divisor of its last axis's piece on each
+    device (the whole axis where no sharding is known, as 256-long blocks did)."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        piece = _shard_piece(x) if _is_floating(x) else None
+        last = np.shape(x)[-1] if np.ndim(x) else 1
+        if piece is None or piece == last:
+            out.append(LEGACY_BLOCK)
+        else:
+            out.append(sharded_block_length(np.shape(x), piece))
+    return out
+
+
 def low_precision_state(
     inner: optax.GradientTransformation,
     dtype: Any = jnp.bfloat16,
     rounding: str | None = None,
     seed: int = 0,
     *,
-    block_size: int | Callable[[tuple[int, ...]], int] = 256,
+    block_size: int | Callable[[tuple[int, ...]], int] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Stores `inner`'s floating state in `dtype`; each update runs in float32 and rounds back.
 
@@ -145,9 +200,9 @@ def low_precision_state(
     computed arithmetically (8-bit Adam: 1 + 4 / block bytes per moment element instead
     of 2 or 4). The scales are shaped like the leaf with its last axis counting blocks:
     shard them like the leaf's codes. A leaf split over devices along another axis keeps
-    whole blocks on each device; split along its last axis into `n` pieces, it does when
-    each piece holds whole blocks (`block_size` a divisor of `shape[-1] // n`; a callable
-    can choose per leaf).
+    whole blocks on each device; split along its last axis, it does too with the default
+    `block_size=None` (blocks from the sharding). `optax.MultiSteps`' gradient accumulator
+    keeps its dtype.
 
     Args:
       inner: the optax transformation whose state to store narrow.
@@ -162,9 +217,12 @@ def low_precision_state(
         1 / sqrt of it is not: measured, it converges worse than nearest.)
       seed: an int in [0, 2**32) seeding the stochastic rounding.
       block_size: with `dtype=jnp.int8`, the elements per float32 scale along each leaf's
-        last axis: an int (blocks of `min(block_size, shape[-1])`, each row's last block
-        zero-padded), or a callable `shape -> int` giving each leaf's block length (e.g.
-        a divisor of the extent each device holds under FSDP).
+        last axis. None (default): from each leaf's sharding at `init` (a committed array,
+        or Explicit axes under `jit`): the largest divisor up to 256 of the piece of the
+        last axis each device holds, so no block straddles two devices; 256 where no
+        sharding is seen; each update reads the length back from the stored scales. An
+        int: blocks of `min(block_size, shape[-1])`, each row's last block zero-padded. A
+        callable `shape -> int`: each leaf's block length.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`.
@@ -180,12 +238,14 @@ def low_precision_state(
     """
     dtype = _storage_dtype(dtype)
     rounding = _check_rounding(rounding, dtype)
-    if not callable(block_size) and (
-        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+    if (
+        block_size is not None
+        and not callable(block_size)
+        and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1)
     ):
         raise ValueError(
-            f"low_precision_state: block_size must be an int >= 1 or a callable "
-            f"shape -> int, got {block_size!r}"
+            f"low_precision_state: block_size must be None (from each leaf's sharding), an "
+            f"int >= 1 or a callable shape -> int, got {block_size!r}"
         )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"low_precision_state: seed must be an int, got {type(seed).__name__}")
@@ -198,35 +258,45 @@ def low_precision_state(
     int8 = dtype == jnp.int8
     inner = optax.with_extra_args_support(inner)
 
-    def narrow(tree, count):
+    def narrow(tree, count, lengths):
         leaves, treedef = jax.tree.flatten(tree)
+        kept = _accumulators(tree)
         out = []
-        for i, x in enumerate(leaves):
-            if not _narrows(x, dtype):
+        for i, (x, keep, b) in enumerate(zip(leaves, kept, lengths, strict=True)):
+            if keep or not _narrows(x, dtype):
                 out.append(x)
             elif int8:
                 key = None if rounding == "nearest" else _leaf_seed(seed, count, i)
-                out.append(quantize(x, block_size, key))
+                out.append(quantize(x, b, key))
             elif rounding == "nearest":
                 out.append(x.astype(dtype))
             else:
                 out.append(stochastic_round(x.astype(jnp.float32), _leaf_seed(seed, count, i)))
         return jax.tree.unflatten(treedef, out)
 
-    def widen_leaf(x, r):
+    def widen_leaf(x, r, b):
         if isinstance(x, Blockwise8):
-            return dequantize(x, r.shape, block_size).astype(r.dtype)
+            return dequantize(x, r.shape, b).astype(r.dtype)
         return x.astype(r.dtype) if _narrows(r, dtype) else x
 
-    def widen(tree, reference):
+    def stored(tree, reference):
+        """The stored leaves of `tree` (a `Blockwise8` one leaf), each with its block length."""
         ref_leaves, treedef = jax.tree.flatten(reference)
-        leaves = treedef.flatten_up_to(tree)  # a `Blockwise8` stays one leaf here
-        pairs = zip(leaves, ref_leaves, strict=True)
-        return treedef.unflatten([widen_leaf(x, r) for x, r in pairs])
+        leaves = treedef.flatten_up_to(tree)
+        if block_size is not None:
+            return leaves, ref_leaves, treedef, [block_size] * len(leaves)
+        lengths = [
+            stored_block_length(r.shape, x.scales.shape) if isinstance(x, Blockwise8) else None
+            for x, r in zip(leaves, ref_leaves, strict=True)
+        ]
+        return leaves, ref_leaves, treedef, lengths
 
     def init_fn(params):
         count = jnp.zeros((), jnp.int32)
-        return LowPrecisionState(narrow(inner.init(params), count), count)
+        state = inner.init(params)
+        n = len(jax.tree.leaves(state))
+        lengths = [block_size] * n if block_size is not None else _sharded_lengths(state)
+        return LowPrecisionState(narrow(state, count, lengths), count)
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, LowPrecisionState):
@@ -235,8 +305,10 @@ def low_precision_state(
                 f"{type(state).__name__}"
             )
         reference = jax.eval_shape(inner.init, updates if params is None else params)
-        wide = widen(state.inner_state, reference)
+        leaves, ref_leaves, treedef, lengths = stored(state.inner_state, reference)
+        parts = zip(leaves, ref_leaves, lengths, strict=True)
+        wide = treedef.unflatten([widen_leaf(x, r, b) for x, r, b in parts])
         updates, new_inner = inner.update(updates, wide, params, **extra_args)
-        return updates, LowPrecisionState(narrow(new_inner, state.count), state.count + 1)
+        return updates, LowPrecisionState(narrow(new_inner, state.count, lengths), state.count + 1)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from mpjax._src.scaling.config import default_max_consecutive_skips
 from mpjax._src.scaling.diagnostics import TrainingDivergedError, diverged_message
@@ -71,7 +72,32 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
             f"{len(found)} mpjax.loss_scaled states found in this optimizer state; "
             "pass the sub-state of the one you mean"
         )
+    _check_not_accumulated(opt_state)
     return jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
+
+
+def _check_not_accumulated(opt_state: Any) -> None:
+    """Refuses a checked `loss_scaled` state inside `optax.MultiSteps`' inner state: optax
+    resets its accumulator by multiplying with 0, so one overflowing micro-batch (0 * NaN)
+    would skip every later window."""
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    for multi in jax.tree.leaves(opt_state, is_leaf=is_multi):
+        if not is_multi(multi):
+            continue
+        inner = jax.tree.leaves(
+            multi.inner_opt_state, is_leaf=lambda x: isinstance(x, LossScaledState)
+        )
+        if any(
+            isinstance(x, LossScaledState) and not isinstance(x.loss_scale, NoOpLossScale)
+            for x in inner
+        ):
+            raise ValueError(
+                "mpjax.loss_scaled is inside optax.MultiSteps (optax.MultiSteps("
+                "mpjax.loss_scaled(inner), k)): MultiSteps accumulates the scaled gradients "
+                "unchecked and resets its accumulator by multiplying with 0, so one overflowing "
+                "micro-batch (0 * NaN = NaN) skips every later step. Nest them the other way: "
+                "mpjax.loss_scaled(optax.MultiSteps(inner, k)) checks each micro-batch"
+            )
 
 
 def get_loss_scale(opt_state: Any) -> jax.Array:
