@@ -157,6 +157,9 @@ class _Interception:
                 self._swapped.clear()
 
 
+# The one mutable module-level object: the entry points it swaps are process-wide, so the
+# count of the traces holding them must be too (per-thread state would restore them under
+# another thread's trace).
 _INTERCEPTION = _Interception()
 
 
