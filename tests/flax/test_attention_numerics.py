@@ -130,3 +130,36 @@ def test_non_finite_inputs_propagate_like_float32(bad):
     out = mpjax.apply_policy(plain, POLICY)(x, mask)
     np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref))
     assert not np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_mpjax_attention_fn_takes_grouped_query_heads_off_cuda(dtype, with_bias):
+    # Before: off CUDA (Flax's linen attention as the fallback) it raised Flax's
+    # "AssertionError: q, k num_heads must match" for the documented kv_heads | heads.
+    ks = jax.random.split(jax.random.key(5), 5)
+    q = jax.random.normal(ks[0], (B, T, HEADS, 8)).astype(dtype)
+    k, v = (jax.random.normal(ks[i], (B, T, 2, 8)).astype(dtype) for i in (1, 2))
+    bias = jax.random.normal(ks[3], (B, HEADS, T, T)).astype(dtype) if with_bias else None
+    ct = jax.random.normal(ks[4], (B, T, HEADS, 8))
+    mask = padding_mask()
+
+    def f(q, k, v, attention):
+        out = attention(q, k, v, bias=bias, mask=mask)
+        return jnp.sum(out.astype(ct.dtype) * ct), out
+
+    grads, out = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(
+        q, k, v, mpjax.nn.dot_product_attention
+    )
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    with jax.enable_x64(True):
+        args64 = [np.asarray(a, np.float64) for a in (q, k, v)]
+        bias = None if bias is None else np.asarray(bias, np.float64)
+        ct = np.asarray(ct, np.float64)
+        ref_grads, ref = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(
+            *args64, nnx.dot_product_attention
+        )
+    tol = TOL[np.dtype(dtype).name]
+    assert rel_error(out, ref) < tol
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_error(g, r) < tol

@@ -5,28 +5,32 @@ implementation is chosen while tracing: `implementation="cudnn"` checks its oper
 then (cuDNN's fused kernel takes fp16/bf16/fp8 only) and raises on float32, and the XLA form
 (`implementation=None`) is traced as float32 GEMMs and a softmax that the rewrite would then
 take apart op by op. Like `torch.autocast` with `scaled_dot_product_attention`, autocast
-instead runs the call as the user would have written it in the compute dtype: while an
-autocast traces (`attention_in(compute_dtype)`), a call whose query is wider than a 16-bit
-compute dtype casts query, key, value and bias to it and runs the original function on them
-inside a nested autocast region (`REGION_SCOPE`), whose equations the rewrite keeps as traced.
-The program is then the hand-written bf16 one: one cuDNN flash-attention custom call forward
-and one backward with `implementation="cudnn"` (the kernel keeps its softmax statistics in
-float32), JAX's XLA form with float32 logits and softmax otherwise. The result is in the
-compute dtype, as torch's.
+instead runs the call as the user would have written it in the compute dtype: query, key and
+value cast to it, the bias too but saturating (a `finfo(float32).min` mask stays finite, as
+autocast's constants do), run inside a nested autocast region (`REGION_SCOPE`) whose
+equations the rewrite keeps as traced. The program is then the hand-written one: one cuDNN
+flash-attention custom call forward and one backward with `implementation="cudnn"`, JAX's XLA
+form with float32 logits and softmax otherwise (float16 on XLA:CPU and TPU, which reject the
+float16 GEMM accumulating in float32 that JAX's XLA form asks for, runs on the float16 values
+widened to float32: the same logits, see `_portable`). The result is in the compute dtype.
 
-JAX has no hook for this, so importing mpjax replaces the two module attributes through
-which the call is made (`jax.nn.dot_product_attention`, and the cuDNN entry point that
-`jax.nn.dot_product_attention` looks up at each call, which also catches callers holding
-their own reference to it with `implementation="cudnn"`) by wrappers that, outside an
-autocast trace, call the originals unchanged. A rewrite of the traced jaxpr cannot do this:
-`implementation="cudnn"` raises on float32 before any jaxpr exists, and the XLA form leaves
-no trace of being one attention call. Limits (docs/guides/autocast.md): a reference to the
-original `jax.nn.dot_product_attention` taken before mpjax was imported, called with
-`implementation=None`/`"xla"`, is not intercepted (autocast then rewrites its XLA form op by
-op: correct, not fused); a JAX without the internal cuDNN entry point gets only the public
-wrapper. The compute dtype in force is a `jax.make_user_context`, part of `jax.jit`'s cache
-key: a jitted function traced inside an autocast is traced again outside it, never reused
-with its compute-dtype casts.
+How, without changing JAX's function: a rewrite of the traced jaxpr cannot do this
+(`implementation="cudnn"` raises on float32 before any jaxpr exists, and the XLA form is
+inlined as separate ops, with no trace of being one call), and `jax.nn.dot_product_attention`
+is never replaced (its identity, pickling, signature, docs and results are JAX's, inside
+autocast and out). After checking its arguments it calls one of two private entry points that
+it looks up in its module at each call, the XLA form and cuDNN's; while an autocast with a
+16-bit compute dtype traces its function (`attention_in`), and only then, those two module
+attributes are wrappers that run the compute-dtype call in that trace and call the original
+unchanged anywhere else (another thread, or the same thread outside the trace: the compute
+dtype in force is a thread-local `jax.make_user_context`). The swap is counted under a lock,
+so overlapping traces in several threads keep it until the last one ends, and is undone in a
+`finally`. The compute dtype is part of `jax.jit`'s cache key: a jitted function traced
+inside an autocast is traced again outside it, never reused with its compute-dtype casts.
+Limits (docs/guides/autocast.md): a JAX without these entry points runs the attention as
+traced (autocast rewrites the XLA form op by op: correct, not fused; `"cudnn"` on float32
+raises JAX's error); a function whose backward is traced after autocast returns (a
+`custom_vjp` rule) calls JAX's attention as written.
 """
 
 from __future__ import annotations
@@ -40,23 +44,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.cudnn import fused_attention_stablehlo as _cudnn
 from jax._src.nn import functions as _functions
 
 from mpjax._src.autocast.regions import REGION_SCOPE
 from mpjax._src.autocast.rules import cast, dtype_of, is_float
 
-__all__ = ["attention_dtype", "attention_in", "install"]
+__all__ = ["attention_dtype", "attention_in"]
 
 # The name of the compute dtype of the autocast tracing now (None outside autocast's trace):
 # a jit-cache key, so that a function traced under autocast is not reused outside it.
 _COMPUTE = jax.make_user_context(None)
 _NARROW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-# JAX's own functions (a reloaded module finds its wrapper installed: the original is inside).
-_ORIGINAL_NN = getattr(jax.nn.dot_product_attention, "mpjax_original", jax.nn.dot_product_attention)
-_ORIGINAL_CUDNN = _cudnn.dot_product_attention
-_CUDNN_ENTRY = "cudnn_dot_product_attention"  # the name jax.nn's implementation calls
-_INSTALL = threading.Lock()
+# The entry points `jax.nn.dot_product_attention` calls (module attributes of `_functions`).
+_XLA_ENTRY = "_dot_product_attention_xla"
+_CUDNN_ENTRY = "cudnn_dot_product_attention"
+# Platforms whose XLA rejects `DotAlgorithmPreset.F16_F16_F32` (JAX's float16 XLA form).
+_NO_F16_F32_GEMM = ("cpu", "tpu")
 
 
 def attention_dtype(query_dtype: Any) -> Any:
@@ -73,50 +76,104 @@ def attention_dtype(query_dtype: Any) -> Any:
     return np.dtype(dtype)
 
 
-@contextlib.contextmanager
-def attention_in(compute_dtype: Any) -> Iterator[None]:
-    """Runs attention calls traced inside in `compute_dtype` (when bfloat16 or float16)."""
-    dtype = np.dtype(compute_dtype)
-    with _COMPUTE(dtype.name if dtype in _NARROW else None):
-        yield
+def _portable(original, dtype: np.dtype):
+    """`original` (JAX's XLA form) in `dtype`, runnable on every platform.
+
+    JAX's float16 XLA form asks for a float16 GEMM accumulating in float32
+    (`DotAlgorithmPreset.F16_F16_F32`), which XLA:CPU and TPU reject. There it runs on the
+    float16 values widened to float32 (a product of two float16 values is exact in float32,
+    so the logits are those of the float16 GEMM accumulating in float32) and returns its
+    results in the dtypes of the float16 call; the platform is chosen where the program is
+    lowered (`jax.lax.platform_dependent`).
+    """
+    if dtype != np.float16:
+        return original
+
+    def call(*args, **kwargs):
+        native = functools.partial(original, *args, **kwargs)
+        shapes = jax.eval_shape(native)
+
+        def wide():
+            widened = [None if a is None else cast(a, np.float32) for a in args]
+            out = original(*widened, **kwargs)
+            return jax.tree.map(lambda o, s: o.astype(s.dtype), out, shapes)
+
+        per_platform = dict.fromkeys(_NO_F16_F32_GEMM, wide)
+        return jax.lax.platform_dependent(default=native, **per_platform)
+
+    return call
 
 
-def _in_compute_dtype(original):
-    """`original(query, key, value, bias, ...)` run by the hand-written compute-dtype rule."""
+def _in_compute_dtype(original, portable: bool):
+    """`original(query, key, value, bias, ...)` run as the hand-written compute-dtype call."""
 
     @functools.wraps(original)
     def wrapper(query, key, value, bias=None, *args, **kwargs):
         dtype = attention_dtype(dtype_of(query))
         if dtype is None:
             return original(query, key, value, bias, *args, **kwargs)
-        query, key, value, bias = (
-            None if x is None else cast(jnp.asarray(x), dtype) for x in (query, key, value, bias)
-        )
-        # The original's own call of the cuDNN entry point is not intercepted again.
+        query, key, value = (cast(jnp.asarray(x), dtype) for x in (query, key, value))
+        # The bias saturates: a finfo(float32).min mask must not become -inf (a fully masked
+        # row would be NaN where float32 gives a finite row).
+        bias = None if bias is None else cast(jnp.asarray(bias), dtype, saturate=True)
+        run = _portable(original, dtype) if portable else original
         with _COMPUTE(None), jax.named_scope(REGION_SCOPE):
-            return original(query, key, value, bias, *args, **kwargs)
+            return run(query, key, value, bias, *args, **kwargs)
 
-    wrapper.mpjax_original = original
     return wrapper
 
 
-_NN_WRAPPER = _in_compute_dtype(_ORIGINAL_NN)
-_CUDNN_WRAPPER = _in_compute_dtype(_ORIGINAL_CUDNN)
+class _Interception:
+    """JAX's attention entry points routed through the wrappers while any autocast traces.
 
-
-def install() -> None:
-    """Routes `jax.nn.dot_product_attention` (and its cuDNN entry) through the wrappers.
-
-    Called when mpjax is imported. Idempotent and thread-safe; an attribute that is neither
-    JAX's original nor our wrapper (someone else's patch) is left alone, as is a JAX
-    without the internal cuDNN entry point. Outside an autocast trace the wrappers call the
-    originals unchanged.
+    Process-wide, because the entry points are: `enter` wraps the attributes found when no
+    trace holds them, `exit` puts them back when the last one ends (unless something else
+    replaced the wrapper meanwhile). Both under one lock.
     """
-    with _INSTALL:
-        if jax.nn.dot_product_attention is _ORIGINAL_NN:
-            jax.nn.dot_product_attention = _NN_WRAPPER
-        if getattr(_functions, _CUDNN_ENTRY, None) is _ORIGINAL_CUDNN:
-            setattr(_functions, _CUDNN_ENTRY, _CUDNN_WRAPPER)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._swapped: list[tuple[str, Any, Any]] = []
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                for name, portable in ((_XLA_ENTRY, True), (_CUDNN_ENTRY, False)):
+                    original = getattr(_functions, name, None)
+                    if callable(original):
+                        wrapper = _in_compute_dtype(original, portable)
+                        setattr(_functions, name, wrapper)
+                        self._swapped.append((name, original, wrapper))
+            self._holders += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                for name, original, wrapper in self._swapped:
+                    if getattr(_functions, name, None) is wrapper:
+                        setattr(_functions, name, original)
+                self._swapped.clear()
 
 
-install()
+# The one mutable module-level object: the entry points it swaps are process-wide, so the
+# count of the traces holding them must be too (per-thread state would restore them under
+# another thread's trace).
+_INTERCEPTION = _Interception()
+
+
+@contextlib.contextmanager
+def attention_in(compute_dtype: Any) -> Iterator[None]:
+    """Runs `jax.nn.dot_product_attention` calls traced inside in `compute_dtype` (16-bit)."""
+    dtype = np.dtype(compute_dtype)
+    if dtype not in _NARROW:
+        with _COMPUTE(None):
+            yield
+        return
+    _INTERCEPTION.enter()
+    try:
+        with _COMPUTE(dtype.name):
+            yield
+    finally:
+        _INTERCEPTION.exit()

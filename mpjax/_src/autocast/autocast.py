@@ -262,6 +262,7 @@ def _first_order(
         # A cast the user writes is kept, of the value it is given, at full precision.
         if (
             origins[0] in (FULL, PEAK)
+            and is_float(dtype_of(vals[0]))  # not a boolean (softmax's backward compares)
             and is_float(params["new_dtype"])
             and narrows(dtype_of(vals[0]), np.dtype(params["new_dtype"]))
             and is_library_convert(eqn)

@@ -245,7 +245,14 @@ def _cond(evaluate, ctx, eqn, vals, origins):
     def casting(f):
         return lambda *args: [cast(o, d) for o, d in zip(f(*args), out_dtypes, strict=True)]
 
-    outs = lax.switch(index, [casting(f) for f in funs], *ops)
+    branches = [casting(f) for f in funs]
+    platforms = eqn.params.get("branches_platforms")
+    if platforms is None:
+        outs = lax.switch(index, branches, *ops)
+    else:  # a `platform_dependent`: the branch is chosen at lowering, the others not lowered
+        per_platform = {p: b for ps, b in zip(platforms, branches, strict=True) if ps for p in ps}
+        default = next((b for ps, b in zip(platforms, branches, strict=True) if ps is None), None)
+        outs = lax.platform_dependent(*ops, default=default, **per_platform)
     return list(outs), [STRONG] * len(outs)
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax._src.autocast.attention import attention_dtype
+from mpjax._src.flax.nnx_attention import repeat_kv_heads
 
 __all__ = ["fused_or"]
 
@@ -99,8 +100,15 @@ def fused_or(
     dropout = dropout_rate > 0.0 and not deterministic
     custom = any(kwargs.get(name) is not None for name in _CUSTOM_GEMMS)
     eligible = run is not None and not dropout and module is None and not custom
-    if not (eligible and _fits(query, key, value, bias, mask) and _cudnn_found()):
+
+    def grouped(query, key, value, dtype):
+        # Flax's linen attention takes equal heads only: grouped-query key/value heads are
+        # repeated up to the query's (cuDNN takes them as they are).
+        key, value = repeat_kv_heads(query, key, value)
         return fallback(query, key, value, bias, mask, dtype=dtype, **call)
+
+    if not (eligible and _fits(query, key, value, bias, mask) and _cudnn_found()):
+        return grouped(query, key, value, dtype)
     query, key, value = (jnp.asarray(x).astype(run) for x in (query, key, value))
     bias = None if bias is None else jnp.asarray(bias).astype(run)
     keep = None if mask is None else jnp.asarray(mask).astype(jnp.bool_)
@@ -111,6 +119,6 @@ def fused_or(
         )
 
     def xla():
-        return fallback(query, key, value, bias, mask, dtype=run, **call).astype(run)
+        return grouped(query, key, value, run).astype(run)
 
     return jax.lax.platform_dependent(cuda=cudnn, default=xla)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-__all__ = ["float32_softmax_attention"]
+__all__ = ["float32_softmax_attention", "repeat_kv_heads"]
 
 
 def float32_softmax_attention(
@@ -45,10 +45,7 @@ def float32_softmax_attention(
     """
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     dtype = query.dtype
-    _check_qkv(query, key, value)
-    if query.shape[-2] != key.shape[-2]:  # grouped-query attention: repeat kv heads
-        reps = query.shape[-2] // key.shape[-2]
-        key, value = jnp.repeat(key, reps, axis=-2), jnp.repeat(value, reps, axis=-2)
+    key, value = repeat_kv_heads(query, key, value)
     softmax_dtype = jnp.promote_types(dtype, jnp.float32)
     logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
     # The cast (not the GEMM's result type) widens: the gradient GEMMs stay in `dtype`.
@@ -74,6 +71,30 @@ def float32_softmax_attention(
         weights = weights * (keep.astype(weights.dtype) / keep_prob)
     weights = weights.astype(dtype)
     return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
+def repeat_kv_heads(query, key, value):
+    """Key and value with their heads repeated up to the query's (grouped-query attention).
+
+    Query head `n` attends with key/value head `n // (heads // kv_heads)`, as in
+    `jax.nn.dot_product_attention`.
+
+    Args:
+      query: `[batch..., q_length, heads, depth]`.
+      key: `[batch..., kv_length, kv_heads, depth]`, `kv_heads` dividing `heads`.
+      value: as `key` (its depth may differ).
+
+    Returns:
+      `(key, value)` with `heads` heads (unchanged when the heads already match).
+
+    Raises:
+      ValueError: naming the shapes, for ranks, lengths, depths or heads that do not fit.
+    """
+    _check_qkv(query, key, value)
+    if query.shape[-2] == key.shape[-2]:
+        return key, value
+    reps = query.shape[-2] // key.shape[-2]
+    return jnp.repeat(key, reps, axis=-2), jnp.repeat(value, reps, axis=-2)
 
 
 def _check_qkv(query, key, value) -> None:
