@@ -21,6 +21,7 @@ import optax
 from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.policy import DTYPE_NAMES
 from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
+from mpjax._src.scaling.nnx_nodes import nodes_from_nnx
 from mpjax._src.scaling.random_bits import fmix32 as _fmix32
 from mpjax._src.scaling.random_bits import random_bits16 as _random_bits16
 
@@ -234,6 +235,8 @@ def low_precision_state(
                 "low_precision_state: state must be a LowPrecisionState, got "
                 f"{type(state).__name__}"
             )
+        # Under nnx.Optimizer, the int8 nodes of the last update come back as nnx.States.
+        state = state._replace(inner_state=nodes_from_nnx(state.inner_state))
         reference = jax.eval_shape(inner.init, updates if params is None else params)
         wide = widen(state.inner_state, reference)
         updates, new_inner = inner.update(updates, wide, params, **extra_args)
