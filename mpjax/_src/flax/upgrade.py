@@ -80,8 +80,13 @@ def _blockwise8(raw: dict, tgt: dict, path: tuple[str, ...], block_size: int) ->
     return {"codes": new.codes, "scales": new.scales}
 
 
-def _upgrade(raw: Any, tgt: Any, path: tuple[str, ...], block_size: int) -> Any:
-    in_master = "master" in path
+_LOSS_SCALED_KEYS = {"inner_state", "master", "loss_scale", "consecutive_skips"}
+
+
+def _upgrade(
+    raw: Any, tgt: Any, path: tuple[str, ...], block_size: int, in_master: bool = False
+) -> Any:
+    """`raw` in the layout of `tgt`; `in_master`: inside a `loss_scaled` master tree."""
     if isinstance(tgt, dict):
         if in_master and set(tgt) == {"remainder"} and getattr(raw, "dtype", None) == jnp.int16:
             return {"remainder": raw}  # 6a474e7 kept a remainder as a bare int16 leaf
@@ -112,7 +117,14 @@ def _upgrade(raw: Any, tgt: Any, path: tuple[str, ...], block_size: int) -> Any:
                 f"{extra} beyond the template: build the template with the optimizer and "
                 "params that wrote the checkpoint"
             )
-        out = {k: _upgrade(raw[k], tgt[k], (*path, k), block_size) for k in tgt if k in raw}
+        state = _LOSS_SCALED_KEYS <= set(tgt)  # a LossScaledState: its master is a master tree
+        out = {
+            k: _upgrade(
+                raw[k], tgt[k], (*path, k), block_size, in_master or (state and k == "master")
+            )
+            for k in tgt
+            if k in raw
+        }
         if "layout_version" in tgt:
             out["layout_version"] = tgt["layout_version"]
         return out
