@@ -80,7 +80,9 @@ def test_resumes_as_6a474e7_went_on(name, fmt):
                 # quantized once more, and today's per-row scales differ from 6a474e7's, so
                 # training follows today's int8 code: close to the old run, not bitwise.
                 got, want = got.astype(np.float32), want.view(got.dtype).astype(np.float32)
-                bound = 0.05 * LR * writer.STEPS_AFTER + _bf16_ulp(want)
+                # 5% of the 3 steps' largest move; a bfloat16 value may round the other way.
+                rounds = key.startswith("params/") or name.startswith("false")
+                bound = 0.05 * LR * writer.STEPS_AFTER + (_bf16_ulp(want) if rounds else 0.0)
                 assert np.all(np.abs(got - want) <= bound), (name, fmt, i, key)
             else:  # every other leaf (the int8 1-D leaf too): bit for bit
                 assert got.tobytes() == want.tobytes(), (name, fmt, i, key)
