@@ -49,6 +49,7 @@ from mpjax.scaling import (
     scaling_metrics,
     select_tree,
     snapshot_state,
+    upgrade_state,
     with_loss_scale,
     with_master_weights,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "scaling_metrics",
     "select_tree",
     "snapshot_state",
+    "upgrade_state",
     "with_loss_scale",
     "with_master_weights",
 ]

@@ -6,6 +6,7 @@ from mpjax._src.flax.model_state import (
     restore_if_skipped,
     snapshot_state,
 )
+from mpjax._src.flax.upgrade import upgrade_state
 from mpjax._src.scaling.blockwise8 import Blockwise8
 from mpjax._src.scaling.config import default_max_consecutive_skips, loss_scale_for
 from mpjax._src.scaling.diagnostics import NonfiniteReport, TrainingDivergedError, nonfinite_report
@@ -59,6 +60,7 @@ __all__ = [
     "select_tree",
     "snapshot_state",
     "unscale_tree",
+    "upgrade_state",
     "with_loss_scale",
     "with_master_weights",
 ]

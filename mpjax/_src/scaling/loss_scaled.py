@@ -30,9 +30,16 @@ from mpjax._src.scaling.master import (
     view,
 )
 from mpjax._src.scaling.master_check import check_master
+from mpjax._src.scaling.nnx_nodes import loss_scaled_from_nnx
 from mpjax._src.scaling.scopes import INNER_SCOPE, LOSS_SCALING_SCOPE
 
-__all__ = ["LossScaledState", "loss_scaled", "xla_unscale_and_check"]
+__all__ = ["STATE_LAYOUT_VERSION", "LossScaledState", "loss_scaled", "xla_unscale_and_check"]
+
+# The layout of `LossScaledState` (and the mpjax states inside it) a checkpoint holds: 0 is the
+# unversioned layout of 6a474e7 and before (bare int16 remainders, int8 scales in flattened
+# blocks), 1 adds this field, `Remainder` nodes and per-row int8 scales. Bump it with every
+# change of the layout, and teach `mpjax.upgrade_state` to read the previous one.
+STATE_LAYOUT_VERSION = 1
 
 _MASKED = optax.MaskedNode
 
@@ -53,6 +60,8 @@ class LossScaledState(NamedTuple):
         overflow, see `check_new_values`): read `skipped` for the step's decision.
       skipped_steps: scalar int32, how many steps were skipped in total.
       consecutive_skips: scalar int32, how many steps in a row were skipped last.
+      layout_version: scalar int32, the layout of this state (`STATE_LAYOUT_VERSION` when
+        made): a checkpoint of an older layout is read by `mpjax.upgrade_state`.
     """
 
     inner_state: Any
@@ -61,6 +70,7 @@ class LossScaledState(NamedTuple):
     grads_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    layout_version: jax.Array
 
     @property
     def skipped(self) -> jax.Array:
@@ -282,6 +292,7 @@ def _next_state(state, new_inner, new_master, grads_finite, ok, limit, values_ch
         grads_finite=grads_finite,
         skipped_steps=state.skipped_steps + skipped,
         consecutive_skips=consecutive,
+        layout_version=state.layout_version,
     )
 
 
@@ -418,6 +429,7 @@ def loss_scaled(
             grads_finite=jnp.array(True),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
+            layout_version=jnp.asarray(STATE_LAYOUT_VERSION, jnp.int32),
         )
 
     def update_fn(grads, state, params=None, **extra_args):
@@ -430,6 +442,8 @@ def loss_scaled(
             raise TypeError(
                 f"loss_scaled: state must be a LossScaledState, got {type(state).__name__}"
             )
+        # Under nnx.Optimizer, the nodes of the last update come back as nnx.States.
+        state = loss_scaled_from_nnx(state)
         grads = _check_grads_match(grads, params)
         check_master(params, state.master, master_weights, "loss_scaled")
         if unscale_and_check is not None or impl != "auto":

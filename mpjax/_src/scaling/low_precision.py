@@ -28,6 +28,7 @@ from mpjax._src.scaling.blockwise8 import (
     sharded_block_length,
     stored_block_length,
 )
+from mpjax._src.scaling.nnx_nodes import nodes_from_nnx
 from mpjax._src.scaling.random_bits import fmix32 as _fmix32
 from mpjax._src.scaling.random_bits import random_bits16 as _random_bits16
 
@@ -304,6 +305,8 @@ def low_precision_state(
                 "low_precision_state: state must be a LowPrecisionState, got "
                 f"{type(state).__name__}"
             )
+        # Under nnx.Optimizer, the int8 nodes of the last update come back as nnx.States.
+        state = state._replace(inner_state=nodes_from_nnx(state.inner_state))
         reference = jax.eval_shape(inner.init, updates if params is None else params)
         leaves, ref_leaves, treedef, lengths = stored(state.inner_state, reference)
         parts = zip(leaves, ref_leaves, lengths, strict=True)

@@ -14,6 +14,7 @@ from mpjax._src.scaling.loss_scale import NoOpLossScale
 from mpjax._src.scaling.loss_scaled import LossScaledState
 from mpjax._src.scaling.master import _is_masked, view
 from mpjax._src.scaling.master_check import check_master
+from mpjax._src.scaling.nnx_nodes import is_flax_nnx, loss_scaled_from_nnx
 from mpjax._src.scaling.scopes import LOSS_SCALING_SCOPE
 
 __all__ = [
@@ -26,19 +27,9 @@ __all__ = [
 ]
 
 
-def _is_flax_nnx(x: Any) -> bool:
-    """A flax.nnx object (nnx.Optimizer stores opt_state leaves in Variables), by its module.
-
-    Recognised by the class's module, so this layer does not import Flax. Never by duck
-    typing: a user's container may answer any attribute (the JAX training cookbook's
-    `dot_dict`, whose `__getattr__` is `__getitem__`, raises KeyError for `get_value`).
-    """
-    return any(c.__module__.startswith("flax.nnx") for c in type(x).__mro__)
-
-
 def _unwrap(x: Any) -> Any:
     """The value of a flax.nnx Variable; anything else as it is."""
-    if not _is_flax_nnx(x):
+    if not is_flax_nnx(x):
         return x
     get_value = getattr(x, "get_value", None)
     if callable(get_value):
@@ -73,7 +64,8 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
             "pass the sub-state of the one you mean"
         )
     _check_not_accumulated(opt_state)
-    return jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
+    state = jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
+    return loss_scaled_from_nnx(state)
 
 
 def _check_not_accumulated(opt_state: Any) -> None:

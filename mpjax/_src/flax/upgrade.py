@@ -1,0 +1,184 @@
+"""`upgrade_state`: an optimizer state restored from an older mpjax checkpoint, in today's layout.
+
+Works on state dicts (`flax.serialization.to_state_dict`), so it reads what orbax restores
+without a target (dicts, lists, None for empty nodes), what flax msgpack restores without one
+(dicts, `{}`), and a state restored into a target whose layout has since changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flax.serialization
+from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
+from mpjax._src.scaling.loss_scaled import STATE_LAYOUT_VERSION
+from mpjax._src.scaling.master_check import master_kind
+
+__all__ = ["upgrade_state"]
+
+
+def _as_dict(x: Any) -> Any:
+    """`x` as nested dicts of str keys; None (orbax's empty node) as `{}`."""
+    if x is None:
+        return {}
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return {str(i): _as_dict(v) for i, v in enumerate(x)}
+    sd = flax.serialization.to_state_dict(x)
+    if isinstance(sd, dict):
+        return {str(k): _as_dict(v) for k, v in sd.items()}
+    return sd
+
+
+def _name(path: tuple[str, ...]) -> str:
+    return "/".join(path) or "<root>"
+
+
+_KINDS = {
+    "none": "no master (master_weights=False, or a float32 param under 'auto')",
+    "remainder": "an int16 remainder (master_weights='remainder')",
+    "old-remainder": "an int16 remainder (master_weights='remainder', 6a474e7's bare layout)",
+    "float": "a float32 master (master_weights='auto' or True)",
+}
+
+
+def _kind(x: Any) -> str:
+    """What a checkpoint's master leaf says about its `master_weights` mode."""
+    return _KINDS.get(master_kind(x), f"a {type(x).__name__}")
+
+
+def _mode_error(path: tuple[str, ...], raw: Any, tgt: Any) -> ValueError:
+    return ValueError(
+        f"upgrade_state: the checkpoint's {_name(path)} holds {_kind(raw)}, but the template "
+        f"holds {_kind(tgt)}: the checkpoint was written with another master_weights mode. "
+        "Upgrade it with a template built with the checkpoint's mode "
+        "(mpjax.loss_scaled(..., master_weights=<that mode>).init(params)), then convert with "
+        "mpjax.with_master_weights(opt_state, params, <this mode>) (exact)."
+    )
+
+
+def _blockwise8(raw: dict, tgt: dict, path: tuple[str, ...], block_size: int) -> dict:
+    """An int8 leaf; scales of 6a474e7's flattened blocks re-quantized into per-row blocks."""
+    codes, scales = jnp.asarray(raw["codes"]), jnp.asarray(raw["scales"])
+    want = tuple(np.shape(tgt["scales"]))
+    if tuple(scales.shape) == want:
+        return {"codes": codes, "scales": scales}
+    try:
+        values = dequantize(Blockwise8(codes, scales), codes.shape, block_size)
+    except ValueError as e:
+        raise ValueError(f"upgrade_state: {_name(path)}: {e}; pass block_size=") from None
+    new = quantize(values, block_size)
+    if tuple(new.scales.shape) != want:
+        raise ValueError(
+            f"upgrade_state: {_name(path)}: the template's int8 scales have shape {want}, not "
+            f"{tuple(new.scales.shape)} for block_size={block_size}: pass the block_size of "
+            "the template's low_precision_state"
+        )
+    return {"codes": new.codes, "scales": new.scales}
+
+
+_LOSS_SCALED_KEYS = {"inner_state", "master", "loss_scale", "consecutive_skips"}
+
+
+def _upgrade(
+    raw: Any, tgt: Any, path: tuple[str, ...], block_size: int, in_master: bool = False
+) -> Any:
+    """`raw` in the layout of `tgt`; `in_master`: inside a `loss_scaled` master tree."""
+    if isinstance(tgt, dict):
+        if in_master and set(tgt) == {"remainder"} and getattr(raw, "dtype", None) == jnp.int16:
+            return {"remainder": raw}  # 6a474e7 kept a remainder as a bare int16 leaf
+        leafy = lambda d: not d or set(d) == {"remainder"}  # noqa: E731 (a master leaf)
+        if not isinstance(raw, dict) or (
+            in_master and set(raw) != set(tgt) and (leafy(raw) or leafy(tgt))
+        ):
+            if in_master:
+                raise _mode_error(path, raw, tgt)
+            raise ValueError(
+                f"upgrade_state: the checkpoint's {_name(path)} is a {type(raw).__name__}, "
+                f"the template's a node with keys {sorted(tgt)}: the checkpoint is of another "
+                "optimizer; build the template with the optimizer that wrote it"
+            )
+        if set(tgt) == {"codes", "scales"} and set(raw) == {"codes", "scales"}:
+            return _blockwise8(raw, tgt, path, block_size)
+        version = raw.get("layout_version", 0 if "layout_version" in tgt else None)
+        if version is not None and int(np.asarray(version)) > STATE_LAYOUT_VERSION:
+            raise ValueError(
+                f"upgrade_state: {_name(path)} has state layout version {int(version)}, newer "
+                f"than this mpjax reads ({STATE_LAYOUT_VERSION}): upgrade mpjax"
+            )
+        missing = sorted(set(tgt) - set(raw) - {"layout_version"})
+        extra = sorted(set(raw) - set(tgt))
+        if missing or extra:
+            raise ValueError(
+                f"upgrade_state: at {_name(path)} the checkpoint lacks {missing} and has "
+                f"{extra} beyond the template: build the template with the optimizer and "
+                "params that wrote the checkpoint"
+            )
+        state = _LOSS_SCALED_KEYS <= set(tgt)  # a LossScaledState: its master is a master tree
+        out = {
+            k: _upgrade(
+                raw[k], tgt[k], (*path, k), block_size, in_master or (state and k == "master")
+            )
+            for k in tgt
+            if k in raw
+        }
+        if "layout_version" in tgt:
+            out["layout_version"] = tgt["layout_version"]
+        return out
+    if in_master and (isinstance(raw, dict) or getattr(raw, "dtype", None) != tgt.dtype):
+        raise _mode_error(path, raw, tgt)
+    if isinstance(raw, dict) or np.shape(raw) != np.shape(tgt):
+        raise ValueError(
+            f"upgrade_state: the checkpoint's {_name(path)} has shape "
+            f"{getattr(raw, 'shape', None)}, the template's {np.shape(tgt)}: build the "
+            "template with the params and optimizer that wrote the checkpoint"
+        )
+    return raw
+
+
+def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any:
+    """Reads an optimizer state restored from a checkpoint of an older mpjax into `template`.
+
+    For checkpoints written before the state layout was versioned (mpjax 6a474e7 and
+    earlier): `master_weights="remainder"` kept bare int16 remainders (now `Remainder`
+    nodes) and `low_precision_state(..., jnp.int8)` one scale per block of the flattened
+    leaf (now per block of each row). Restore the checkpoint without a target
+    (`ocp.StandardCheckpointer().restore(path)`, `flax.serialization.msgpack_restore(blob)`)
+    and pass the tree here with a template of the same optimizer and params: it returns
+    the state in today's layout, the template's structure, its arrays from the checkpoint.
+    Remainders, float32 masters, float32 and bfloat16 states are carried over bit for bit
+    (training goes on as the old release would have). int8 states in the old layout are
+    dequantized exactly and quantized once more into today's blocks (to nearest): the
+    moments move by at most one int8 rounding, and training follows today's int8 code.
+    A checkpoint of another `master_weights` mode is refused, naming that mode (convert
+    with `mpjax.with_master_weights` after upgrading with a template of that mode).
+
+    Args:
+      restored: the restored tree: the optimizer state, or any tree holding it (e.g.
+        `{"params": ..., "opt_state": ...}`), as restored without a target, or restored
+        into a target.
+      template: the same tree as built today (e.g. `{"params": params, "opt_state":
+        tx.init(params)}`), with the checkpoint's optimizer and `master_weights` mode.
+      block_size: the `block_size` of the checkpoint's `low_precision_state(..., jnp.int8)`
+        (an int; 256 is the default).
+
+    Returns:
+      A tree structured like `template`.
+
+    Raises:
+      ValueError: the checkpoint is of another mode, optimizer or params, naming the leaf.
+
+    Example:
+      >>> import flax.serialization as fs, jax.numpy as jnp, optax, mpjax
+      >>> params = {"w": jnp.ones((2,), jnp.bfloat16)}
+      >>> tx = mpjax.loss_scaled(optax.sgd(0.1), master_weights="remainder")
+      >>> blob = fs.to_bytes(tx.init(params))  # a checkpoint
+      >>> state = mpjax.upgrade_state(fs.msgpack_restore(blob), tx.init(params))
+      >>> int(state.layout_version)
+      1
+    """
+    new = _upgrade(_as_dict(restored), _as_dict(template), (), block_size)
+    return flax.serialization.from_state_dict(template, jax.tree.map(jnp.asarray, new))
