@@ -196,3 +196,34 @@ def test_nnx_scan_with_float32_carry_matches_the_loop():
     backward = matmul_dtypes(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)
     assert len(forward) == 3 and len(backward) >= 9
     assert all(d == (BF16, BF16) for d in forward + backward), forward + backward
+
+
+class NnxStep(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, c):
+        return c + self.lin(c)
+
+
+class NnxLoops(nnx.Module):
+    """A float32 carry through `nnx.fori_loop`, then `lax.fori_loop` over a closed-over layer."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(4, 4, rngs=rngs)
+        self.step = NnxStep(rngs)
+
+    def __call__(self, x):
+        c = self.inp(x).astype(jnp.float32)
+        _, c = nnx.fori_loop(0, 2, lambda i, s: (s[0], s[0](s[1])), (self.step, c))
+        return jax.lax.fori_loop(0, 2, lambda i, c: self.step(c), c)
+
+
+def test_nnx_fori_loops_keep_the_carry_dtype():
+    model = NnxLoops(nnx.Rngs(0))
+    x = jnp.ones((2, 4))
+    plain = model(x)  # float32 throughout
+    mpjax.apply_policy(model, POLICY)
+    out = nnx.jit(lambda m: m(x))(model)
+    assert out.dtype == F32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=3e-2, atol=3e-2)
