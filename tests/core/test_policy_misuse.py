@@ -52,3 +52,41 @@ def test_autocast_output_dtype_under_x64(policy, out):
         assert got.dtype == out
         ref = np.tanh(np.asarray(x) @ np.asarray(x).T)
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-6)
+
+
+LONG = "params=float32," * 40_000  # 600,000 characters
+
+
+@pytest.mark.parametrize(
+    "spec, culprit",
+    [
+        (LONG, "key 'params' given twice in policy spec"),
+        (LONG + "zz", "given twice"),
+        ("c=" + "x" * 600_000, "unknown dtype 'xxxx"),
+        ("y" * 600_000, "unknown policy name 'yyyy"),
+        ("c=bf16,," + "z" * 600_000, "empty entry in policy spec"),
+        ("c=bf16," + "w" * 600_000, "entry 'wwww"),
+        ("k" * 600_000 + "=bf16", "unknown key 'kkkk"),
+        ("s=" + "e" * 600_000, "Policy.saved_activations: 'eeee"),
+    ],
+)
+def test_long_spec_errors_quote_a_bounded_excerpt(spec, culprit):
+    """Issue 34 (11): a 600 KB spec was echoed whole in its error; the message quotes the
+    spec's first 200 characters and its length."""
+    with pytest.raises(ValueError) as e:
+        mpjax.get_policy(spec)
+    message = str(e.value)
+    assert culprit in message
+    assert len(message) < 1000
+    assert "... (600" in message and "characters)" in message
+
+
+def test_short_spec_errors_quote_the_whole_spec():
+    with pytest.raises(ValueError, match=r"policy spec 'c=bf16,c=f32'$"):
+        mpjax.get_policy("c=bf16,c=f32")
+
+
+def test_long_selector_error_is_bounded():
+    with pytest.raises(ValueError, match=r"characters\)") as e:
+        mpjax.policy.parse_rules({")" * 10_000: "bf16"}, object)
+    assert len(str(e.value)) < 1000

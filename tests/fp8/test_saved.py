@@ -79,3 +79,30 @@ def test_policy_field_and_spec():
         mpjax.Policy(saved_activations="bfloat16")
     with pytest.raises(ValueError, match="saved_activations"):
         mpjax.get_policy("c=bf16,saved=int8")
+
+
+@pytest.mark.parametrize(
+    "base, culprit",
+    [
+        ("x", "base='x' (str) is not a checkpoint policy"),
+        ("dots_saveable", "did you mean base=jax.checkpoint_policies.dots_saveable"),
+        (3, "base=3 (int) is not a checkpoint policy"),
+        # uncalled, it would be called as the policy and return a (truthy) function
+        (jax.checkpoint_policies.save_only_these_names, "save_only_these_names is a factory"),
+    ],
+)
+def test_bad_base_raises_at_the_call_naming_base(base, culprit):
+    """Issue 34 (11): `base="x"` was accepted and failed later inside `jax.checkpoint`
+    with "'str' object is not callable"; it is refused when the policy is made."""
+    with pytest.raises(TypeError, match="saved_activations_policy: ") as e:
+        saved_activations_policy(base)
+    assert culprit in str(e.value)
+    assert "base takes None or a checkpoint policy function" in str(e.value)
+
+
+def test_callable_base_still_accepted():
+    policy = saved_activations_policy(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    f = jax.checkpoint(lambda x, w: jnp.sin(x @ w), policy=policy)
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    g = jax.grad(lambda w: f(x, w).sum())(w)
+    np.testing.assert_allclose(g, np.full((3, 4), 2 * np.cos(3.0)), rtol=1e-6)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._src.core.text import excerpt
+
 __all__ = [
     "DTYPE_NAMES",
     "KERAS_POLICY_NAMES",
@@ -85,7 +87,7 @@ def as_float_dtype(value: Any, what: str) -> np.dtype:
         dtype = jnp.dtype(value)
     except TypeError as e:
         raise ValueError(
-            f"{what}: {value!r} is not a dtype; use one of {sorted(DTYPE_NAMES)}"
+            f"{what}: {excerpt(value)} is not a dtype; use one of {sorted(DTYPE_NAMES)}"
         ) from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
@@ -124,7 +126,7 @@ def as_saved_dtype(value: Any) -> np.dtype | None:
         dtype = None
     if dtype not in {jnp.dtype(d) for d in SAVED_DTYPE_NAMES.values()}:
         raise ValueError(
-            f"Policy.saved_activations: {value!r} is not an fp8 format; use None, "
+            f"Policy.saved_activations: {excerpt(value)} is not an fp8 format; use None, "
             "'float8_e4m3fn' (e4m3: 3 mantissa bits, the precise one) or 'float8_e5m2'"
         )
     return dtype
@@ -379,6 +381,7 @@ def get_policy(spec: str | Policy) -> Policy:
     if not isinstance(spec, str):
         raise TypeError(f"get_policy expects a spec string or a Policy, got {type(spec).__name__}")
     text = spec.strip()
+    quoted = excerpt(spec)  # errors quote at most 200 characters of a long spec
     if not text:
         raise ValueError("empty policy spec; e.g. 'params=float32,compute=bfloat16'")
 
@@ -386,7 +389,7 @@ def get_policy(spec: str | Policy) -> Policy:
         key = name.strip().lower()
         if key not in DTYPE_NAMES:
             raise ValueError(
-                f"unknown dtype {name.strip()!r} in {where} of policy spec {spec!r}; "
+                f"unknown dtype {excerpt(name.strip())} in {where} of policy spec {quoted}; "
                 f"valid dtypes: {', '.join(sorted(DTYPE_NAMES))}"
             )
         return DTYPE_NAMES[key]
@@ -396,7 +399,8 @@ def get_policy(spec: str | Policy) -> Policy:
     if "=" not in text:
         if text.lower() not in DTYPE_NAMES:
             raise ValueError(
-                f"unknown policy name {text!r}; use a dtype ({', '.join(sorted(DTYPE_NAMES))}), "
+                f"unknown policy name {excerpt(text)}; use a dtype "
+                f"({', '.join(sorted(DTYPE_NAMES))}), "
                 f"a Keras policy name ({', '.join(KERAS_POLICY_NAMES)}) or key=dtype entries, "
                 "e.g. 'params=float32,compute=bfloat16'"
             )
@@ -406,22 +410,22 @@ def get_policy(spec: str | Policy) -> Policy:
     values: dict[str, Any] = {}
     for part in text.split(","):
         if not part.strip():
-            raise ValueError(f"empty entry in policy spec {spec!r}")
+            raise ValueError(f"empty entry in policy spec {quoted}")
         if "=" not in part:
             raise ValueError(
-                f"entry {part.strip()!r} in policy spec {spec!r} is not key=dtype; "
+                f"entry {excerpt(part.strip())} in policy spec {quoted} is not key=dtype; "
                 f"valid keys: {', '.join(sorted(_KEYS))}"
             )
         key, _, value = part.partition("=")
         key = key.strip().lower()
         if key not in _KEYS:
             raise ValueError(
-                f"unknown key {key!r} in policy spec {spec!r}; "
+                f"unknown key {excerpt(key)} in policy spec {quoted}; "
                 f"valid keys: {', '.join(sorted(_KEYS))}"
             )
         canon = _KEYS[key]
         if canon in values:
-            raise ValueError(f"key {canon!r} given twice in policy spec {spec!r}")
+            raise ValueError(f"key {canon!r} given twice in policy spec {quoted}")
         if canon == "saved":
             values[canon] = as_saved_dtype(value.strip())
             continue

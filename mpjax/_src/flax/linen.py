@@ -53,6 +53,7 @@ from mpjax._src.flax.float32_only import (
 )
 from mpjax._src.flax.fp8_linen import DelayedFp8, delayed_fp8_override
 from mpjax._src.flax.fused_attention import fused_or
+from mpjax._src.flax.loops import in_lifted_loop, keep_carry_dtype
 from mpjax._src.flax.rules import (
     Resolved,
     Rules,
@@ -294,6 +295,7 @@ class _Interceptor:
         """One intercepted call of `module` under its resolved policy `res`."""
         if context.method_name == "setup" or external:
             self.cast_params_to_compute(module, res)
+        carry = args[0] if external and args and in_lifted_loop(module) else None
         if external:
             args, kwargs = cast_floating((args, kwargs), res.policy.compute_dtype)
         overrides = field_overrides(
@@ -321,6 +323,8 @@ class _Interceptor:
         self.cast_params_to_param_dtype(module, res)
         if external:
             out = cast_floating(out, res.policy.output_dtype)
+        if carry is not None:
+            out = keep_carry_dtype(carry, out)
         return out
 
     def uncast_params(self, module: nn.Module) -> None:

@@ -60,6 +60,7 @@ from mpjax._src.flax.fp8_nnx import (
     set_nnx_fp8,
 )
 from mpjax._src.flax.fused_attention import fused_or
+from mpjax._src.flax.loops import current_trace, keep_carry_dtype
 from mpjax._src.flax.nnx_attention import float32_softmax_attention
 from mpjax._src.flax.nnx_snapshot import NnxSnapshot
 from mpjax._src.flax.rules import check_path_rules, field_overrides, parse_rules, resolve
@@ -80,6 +81,10 @@ _FLOAT32_RULE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 # Set by the outermost policy-aware call: id(variable) -> its stored value, for re-views.
 _ORIGINALS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "mpjax_nnx_stored_values", default=None
+)
+# The JAX trace the innermost policy-aware call runs in (see `_policy_call`).
+_CALL_TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "mpjax_nnx_policy_trace", default=None
 )
 _CONTAINERS = (nnx.List, nnx.Dict)
 _ATTR = "_mpjax_policy"
@@ -221,13 +226,20 @@ def _policy_call(self, fn, args, kwargs, info: _ModulePolicy, stack: tuple):
         None if has_delayed_fp8(self) else info.policy.saved_activations,
     )
     fp8 = nnx_delayed_override(self) if fn.__name__ == "__call__" else contextlib.nullcontext()
+    # Called from another module's call, inside a JAX transform that module started (the
+    # body of `nnx.scan`, `nnx.fori_loop`, `nnx.remat`, ...): what mirrors its first
+    # argument leaves in that argument's dtype, so a loop carry keeps its dtype.
+    trace = current_trace()
+    carry = args[0] if stack and args and _CALL_TRACE.get() != trace else None
     token = _CALL_STACK.set(stack + (self,))
+    trace_token = _CALL_TRACE.set(trace)
     try:
         where = type(self).__name__
         with overrides, fp8, naming_float32_only_ops(self, where, info.policy.compute_dtype):
             args, kwargs = _cast((args, kwargs), info.policy.compute_dtype)
             out = fn(self, *args, **kwargs)
     finally:
+        _CALL_TRACE.reset(trace_token)
         _CALL_STACK.reset(token)
         if originals is not None:
             _ORIGINALS.reset(originals)
@@ -235,7 +247,8 @@ def _policy_call(self, fn, args, kwargs, info: _ModulePolicy, stack: tuple):
             _swap_raw(param, raw)
         for cache, raw, view in reversed(caches):
             _store_cache(cache, raw, view)
-    return _cast(out, info.policy.output_dtype)
+    out = _cast(out, info.policy.output_dtype)
+    return out if carry is None else keep_carry_dtype(carry, out)
 
 
 def _compute_views(root: nnx.Module, kind: type) -> list:

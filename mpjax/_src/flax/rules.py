@@ -42,6 +42,7 @@ from jax import lax
 
 from mpjax._src.core.policy import Policy, get_policy
 from mpjax._src.core.reduce_dot import reduce_dot_general
+from mpjax._src.core.text import excerpt
 from mpjax._src.flax.defaults import Defaults
 from mpjax._src.fp8.saved import fp8_saved_conv, fp8_saved_dot_general
 
@@ -71,7 +72,7 @@ class Rule:
         if self.kind == "class":
             return f"class rule {self.selector.__module__}.{self.selector.__qualname__}"
         if self.kind == "path":
-            return f"path rule {self.selector!r}"
+            return f"path rule {excerpt(self.selector)}"
         return "default rule '*'"
 
 
@@ -95,9 +96,9 @@ def _parse_policy(value: Any, selector: Any) -> Policy:
         try:
             return get_policy(value)
         except ValueError as e:
-            raise ValueError(f"invalid policy for selector {selector!r}: {e}") from e
+            raise ValueError(f"invalid policy for selector {excerpt(selector)}: {e}") from e
     raise TypeError(
-        f"the policy for selector {selector!r} must be a Policy or a spec string, "
+        f"the policy for selector {excerpt(selector)} must be a Policy or a spec string, "
         f"got {type(value).__name__}"
     )
 
@@ -145,7 +146,7 @@ def parse_rules(spec: Any, module_base: type | tuple[type, ...]) -> Rules:
                 pattern = re.compile(selector)
             except re.error as e:
                 raise ValueError(
-                    f"selector {selector!r} is not a valid regular expression: {e}"
+                    f"selector {excerpt(selector)} is not a valid regular expression: {e}"
                 ) from e
             path_rules.append(Rule(selector, "path", policy, pattern))
         elif isinstance(selector, type):
@@ -157,7 +158,7 @@ def parse_rules(spec: Any, module_base: type | tuple[type, ...]) -> Rules:
             class_rules.append(Rule(selector, "class", _parse_policy(value, selector)))
         else:
             raise TypeError(
-                f"selector {selector!r} must be a module class, a path regex string or "
+                f"selector {excerpt(selector)} must be a module class, a path regex string or "
                 f"'*', got {type(selector).__name__}"
             )
     return Rules(tuple(path_rules), tuple(class_rules), default)
@@ -218,7 +219,7 @@ def check_path_rules(rules: Rules, paths: Any, model: str) -> None:
         close = difflib.get_close_matches(rule.selector, shown, n=3)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(
-            f"apply_policy: path rule {rule.selector!r} matches no module of {model} (paths "
+            f"apply_policy: path rule {excerpt(rule.selector)} matches no module of {model} (paths "
             "are relative to the wrapped model, as in its params tree, parts joined by '/', "
             f"matched with re.fullmatch); its module paths are: {', '.join(shown) or '(none)'}"
             f"{more}{hint}"

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from mpjax._src.core.text import excerpt
 from mpjax._src.fp8.quant import amax, compute_scale, dequantize, quantize
 
 __all__ = [
@@ -217,10 +218,15 @@ def saved_activations_policy(base: Callable | None = None) -> Callable:
     `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`), what either saves.
 
     Args:
-      base: another checkpoint policy, or None.
+      base: another checkpoint policy (a function `(prim, *avals, **params) -> bool`), or
+        None.
 
     Returns:
       A policy for `jax.checkpoint(..., policy=)` / `nn.remat(..., policy=)`.
+
+    Raises:
+      TypeError: `base` is neither None nor a policy function (a string, or one of
+        `jax.checkpoint_policies`' factories such as `save_only_these_names` not called).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -229,7 +235,44 @@ def saved_activations_policy(base: Callable | None = None) -> Callable:
       >>> float(jax.grad(f)(0.0))
       1.0
     """
+    _check_base(base)
     names = jax.checkpoint_policies.save_only_these_names(SAVED_FP8_NAME)
     if base is None:
         return names
     return jax.checkpoint_policies.save_from_both_policies(base, names)
+
+
+# `jax.checkpoint_policies` functions that make a policy: passed uncalled, each would be
+# called as the policy itself and return a (truthy) function, saving everything.
+_POLICY_FACTORIES = (
+    "offload_dot_with_no_batch_dims",
+    "save_and_offload_only_these_names",
+    "save_any_names_but_these",
+    "save_anything_except_these_names",
+    "save_from_both_policies",
+    "save_only_these_names",
+)
+
+
+def _check_base(base: Any) -> None:
+    """Refuses a `base` that `jax.checkpoint` would only fail on (or misread) later."""
+    policies = jax.checkpoint_policies
+    accepts = (
+        "base takes None or a checkpoint policy function (prim, *avals, **params) -> bool, "
+        "e.g. jax.checkpoint_policies.dots_with_no_batch_dims_saveable"
+    )
+    factory = next((n for n in _POLICY_FACTORIES if base is getattr(policies, n, None)), None)
+    if factory is not None:
+        raise TypeError(
+            f"saved_activations_policy: base=jax.checkpoint_policies.{factory} is a factory "
+            f"that makes a policy, not a policy; call it (e.g. {factory}(...)); {accepts}"
+        )
+    if base is None or callable(base):
+        return
+    hint = ""
+    if isinstance(base, str) and not base.startswith("_") and hasattr(policies, base):
+        hint = f"; did you mean base=jax.checkpoint_policies.{base}?"
+    raise TypeError(
+        f"saved_activations_policy: base={excerpt(base)} ({type(base).__name__}) is not a "
+        f"checkpoint policy; {accepts}{hint}"
+    )
