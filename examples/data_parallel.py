@@ -382,27 +382,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# XLA:CPU ends the process (exit 134, "Expected 8 threads to join the rendezvous, but only 7 of
-# them arrived on time") when one simulated device's thread reaches a collective 40 s after the
-# others: on a loaded 2-core machine 8 device threads can fall that far apart. A real stall
-# still ends the run, after 10 minutes instead of 40 s.
-SIMULATED_DEVICE_FLAGS = (
-    "--xla_cpu_collective_call_terminate_timeout_seconds=600",
-    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
-)
-
-
-def with_simulated_device_flags(xla_flags: str) -> str:
-    """`xla_flags` plus `SIMULATED_DEVICE_FLAGS` (those it does not set already)."""
-    extra = [f for f in SIMULATED_DEVICE_FLAGS if f.split("=")[0] not in xla_flags]
-    return " ".join([xla_flags.strip(), *extra]).strip()
+# Simulated CPU devices share one thread pool of XLA:CPU, sized (on a 2-core machine) to
+# exactly the device count; a collective blocks a pool thread per device until all arrive, so
+# when one device's part waits behind a blocked thread the program deadlocks, and XLA ends it
+# after 40 s ("Expected 8 threads to join the rendezvous, but only 7 of them arrived on time",
+# exit 134; seen 1 run in 4 on a loaded 2-core machine, and once with a 600 s wait). A pool of
+# twice the devices (XLA reads its size from NPROC) leaves threads free for the late device.
+def simulated_device_env(environ: dict, devices: int) -> dict:
+    """The variables to set before JAX starts `devices` simulated CPU devices: a thread pool
+    of at least twice the devices (`NPROC`), unless `environ` sets one already."""
+    if "NPROC" in environ:
+        return {}
+    return {"NPROC": str(max(16, 2 * devices))}
 
 
 def initialize(args: argparse.Namespace) -> None:
     """Sets up CPU devices and, for several processes, `jax.distributed`."""
     if args.cpu_devices:
         # read by XLA when the CPU client is created, which has not happened yet
-        os.environ["XLA_FLAGS"] = with_simulated_device_flags(os.environ.get("XLA_FLAGS", ""))
+        os.environ.update(simulated_device_env(os.environ, args.cpu_devices))
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     if args.num_processes > 1 or args.distributed:
