@@ -16,7 +16,7 @@ from mpjax._src.analysis.hlo_cost import BLOCKWISE_GEMM
 from mpjax._src.kernels.blockwise_gemm import KERNEL_NAME
 from tests.helpers.gpu import _run_json
 
-BLOCK_DTYPES = {"mxfp8": "f8e4m3fn", "nvfp4": "f4e2m1fn"}
+BLOCK_DTYPES = {"mxfp8": "f8e4m3fn", "nvfp4": "f4e2m1fn", "blockwise": "f8e4m3fn"}
 
 
 @pytest.fixture(scope="module")
