@@ -63,3 +63,23 @@ def test_under_autocast_with_fp8_saved_activations_no_bf16_gemm_input_is_kept(sc
     gemm_inputs = {((M, K), jnp.dtype(jnp.bfloat16)), ((M, N), jnp.dtype(jnp.bfloat16))}
     assert not gemm_inputs & set(saved), saved
     assert ((K, M), jnp.dtype(LOW[scaling])) in saved and ((N, M), jnp.dtype(LOW[scaling])) in saved
+
+
+@pytest.mark.parametrize("scaling", sorted(LOW))
+def test_scanned_layers_stack_the_quantised_copies(scaling):
+    """Over `lax.scan` (a scanned LM's layers) the residuals are stacked across the loop, where
+    XLA cannot move the backward's quantisation into the forward: the stack is the low-precision
+    copies, not the bfloat16 activations."""
+    layers, recipe = 4, mpjax.Fp8Recipe(scaling)
+
+    def loss(ws, x):
+        def body(h, w):
+            return block_scaled_dot_general(h, w, DIMS, recipe, jnp.bfloat16), None
+
+        return jnp.sum(jax.lax.scan(body, x, ws)[0].astype(jnp.float32))
+
+    ws = jax.random.normal(jax.random.key(0), (layers, K, K), jnp.bfloat16) / 20
+    x = jax.random.normal(jax.random.key(1), (M, K), jnp.bfloat16)
+    saved = _residuals(loss, ws, x)
+    assert ((layers, M, K), jnp.dtype(jnp.bfloat16)) not in saved, saved
+    assert ((layers, K, M), jnp.dtype(LOW[scaling])) in saved, saved
