@@ -141,3 +141,28 @@ def test_newer_layout_is_refused():
     newer["opt_state"] = newer["opt_state"]._replace(layout_version=jnp.int32(99))
     with pytest.raises(ValueError, match="layout version 99, newer than this mpjax reads"):
         mpjax.upgrade_state(newer, tree)
+
+
+@pytest.mark.parametrize("mode", ["remainder", "int8"])
+def test_upgraded_state_is_placed_like_the_template_under_explicit_axes(mode):
+    """A restored checkpoint is on one device; under Explicit mesh axes with sharded params the
+    upgraded state takes the template's shardings, so the jitted update runs (it raised
+    "select cases must have the same shardings")."""
+    import flax.serialization as fs
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.ones((16, 64), jnp.bfloat16), NamedSharding(mesh, P(None, "d")))
+        p = {"w": w}
+        inner = optax.adam(1e-3)
+        if mode == "int8":
+            inner = mpjax.low_precision_state(inner, jnp.int8)
+        tx = mpjax.loss_scaled(inner, master_weights="remainder" if mode == "remainder" else "auto")
+        state = tx.init(p)
+        upgraded = mpjax.upgrade_state(fs.msgpack_restore(fs.to_bytes(state)), tx.init(p))
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(upgraded), strict=True):
+            assert a.sharding == b.sharding and bool(jnp.array_equal(a, b))
+        updates, _ = jax.jit(tx.update)(p, upgraded, p)
+        assert bool(jnp.all(jnp.isfinite(updates["w"])))

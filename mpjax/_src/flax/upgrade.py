@@ -181,4 +181,12 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any
       1
     """
     new = _upgrade(_as_dict(restored), _as_dict(template), (), block_size)
-    return flax.serialization.from_state_dict(template, jax.tree.map(jnp.asarray, new))
+    state = flax.serialization.from_state_dict(template, jax.tree.map(jnp.asarray, new))
+    return jax.tree.map(_placed_like, state, template)
+
+
+def _placed_like(leaf: Any, target: Any) -> Any:
+    """`leaf` on `target`'s devices and sharding (a restored leaf is on the default device):
+    an update with sharded params needs its state sharded the same way."""
+    sharding = getattr(target, "sharding", None)
+    return leaf if sharding is None else jax.device_put(leaf, sharding)
