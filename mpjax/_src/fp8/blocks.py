@@ -358,7 +358,9 @@ def dequantize_blocks(bq: BlockQuantized, dtype: Any = _F32) -> jax.Array:
     """
     if not isinstance(bq, BlockQuantized):
         raise TypeError(f"dequantize_blocks: expected a BlockQuantized, got {type(bq).__name__}")
-    data = bq.data.astype(_F32)
+    # XLA:GPU drops a float32 -> 8/4-bit -> float32 round trip (excess precision): the
+    # barrier keeps the rounding, so emulated GEMMs compute the format's numbers on a GPU too
+    data = jax.lax.optimization_barrier(bq.data).astype(_F32)
     if bq.scales.dtype == jnp.float8_e8m0fnu:
         out = _times_e8m0(data, bq.scales, bq.block)
     else:
