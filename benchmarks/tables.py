@@ -147,12 +147,26 @@ def blocks_table(records):
         full.append(
             [gpu, _size(r), r["variant"], round(f["roofline_s"] * 1e3, 3), roof]
             + [round(f["temp_bytes"] / GIB, 3), share, _tflop(f["gemm_flops"])]
+            + _parts(f)
             + [", ".join(f"{k} {n}" for k, n in sorted(f["kernels_by_kind"].items()))]
         )
     s_cols = ["GPU", "size", "path", "roofline vs bf16", "block GEMMs in fp8/fp4"]
     f_cols = ["GPU", "size", "variant", "roofline ms", "vs bf16", "temp GiB"]
-    f_cols += ["block GEMMs in fp8/fp4", "GEMM TFLOP by dtype", "kernels by kind"]
+    f_cols += ["block GEMMs in fp8/fp4", "GEMM TFLOP by dtype"]
+    f_cols += [f"{p} ms (%)" for p in PARTS] + ["kernels by kind"]
     return s_cols, short, f_cols, full
+
+
+PARTS = ("low-precision gemms", "other gemms", "quantise", "transpose", "amax", "other")
+
+
+def _parts(f: dict) -> list[str]:
+    """Each part's roofline ms and share of the step (`mpjax/_src/analysis/decomposition.py`)."""
+    parts = f.get("roofline_by_part")
+    if not parts:
+        return ["-"] * len(PARTS)
+    total = sum(parts.values())
+    return [f"{parts[p] * 1e3:.2f} ({100 * parts[p] / total:.0f} %)" for p in PARTS]
 
 
 def multi_gpu_table(records):

@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
+import mpjax
 from mpjax import Fp8Recipe
 from mpjax._src.fp8.blocks import (
     block_shape,
@@ -89,12 +91,15 @@ def test_nvfp4_hadamard_columns_with_a_seed_match_the_rotated_stochastic_copy(ro
 
 
 def _quantize_calls(jaxpr, counts):
-    """Counts the named quantise calls of a closed jaxpr by their input variable's shape."""
+    """Counts the named quantise calls of a jaxpr (and its sub-jaxprs) by the shape of the
+    tensor quantised (its rows copy, the first output: every call here makes one). A call
+    with no input (a constant JAX's scan partial evaluation made) reads no tensor."""
     for eqn in jaxpr.eqns:
         if eqn.params.get("name") == QUANTIZE_NAME:
-            counts[tuple(eqn.invars[0].aval.shape)] = (
-                counts.get(tuple(eqn.invars[0].aval.shape), 0) + 1
-            )
+            if not eqn.invars:
+                continue
+            shape = tuple(eqn.outvars[0].aval.shape)
+            counts[shape] = counts.get(shape, 0) + 1
             continue
         for sub in jax.core.jaxprs_in_params(eqn.params):
             _quantize_calls(sub, counts)
@@ -128,3 +133,33 @@ def test_bad_inputs_are_refused_by_name():
         quantize_orientations(jnp.ones((4, 32)), "mxfp8", column_seed=jnp.uint32(1))
     with pytest.raises(ValueError, match="role"):
         quantize_orientations(jnp.ones((4, 32)), "mxfp8", role="bias")
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(128, use_bias=False)(x)), None
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        return layers()(x, None)[0]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_scanned_layers_quantise_each_weight_once_per_step(scaling):
+    # under nn.scan over layers the forward body quantises each layer's weight (both copies);
+    # the backward body reads the kept copy: no weight-shaped quantise call in the backward
+    model, x = _Scanned(), jnp.ones((64, 128))
+    params = model.init(jax.random.key(0), x)
+    recipe = Fp8Recipe(scaling, block_lowering="emulated")
+    loss = mpjax.autocast(lambda p, x: jnp.sum(model.apply(p, x) ** 2), "float32", fp8=recipe)
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x)
+    calls = _quantize_calls(jaxpr.jaxpr, {})
+    assert calls == {(64, 128): 2, (128, 128): 1}  # x and g of every layer; its weight once
+    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 2  # the forward and the backward loop
+    forward, backward = (_quantize_calls(e.params["jaxpr"].jaxpr, {}) for e in scans)
+    assert forward == {(64, 128): 1, (128, 128): 1} and backward == {(64, 128): 1}
