@@ -12,8 +12,13 @@ live at the peak attributed to categories by shape by a liveness walk of the opt
 (`mpjax/_src/analysis/liveness.py`): attention scores (T x T), logits (vocabulary-wide),
 MLP hidden, model-width hidden states, weight copies (a parameter's size or its FSDP
 shard), fp8 saved activations, other. The rows: the two anchors (the hand-written Flax
-bf16 LM with XLA attention, and the expert's with cuDNN attention), mpjax's
-`apply_policy` path without any switch, each switch alone, and all switches together.
+bf16 LM with XLA attention, and the expert's with cuDNN attention), the strong hand-written
+anchors of issue 36 (the expert's with a 15-line chunked cross-entropy, `STRONG_ANCHORS`:
+alone, with every block under `nn.remat(dots_with_no_batch_dims_saveable)`, under full
+remat), mpjax's `apply_policy` path without any switch, each switch alone, all switches
+together, and all switches with every block under each remat policy of `REMAT`. Every row
+also records its roofline (`hlo_cost` at H100 peaks) and compile time; the docs plot memory
+against roofline time for every row (`benchmarks/tables.plot_frontier`).
 
 A switch is a function `Knobs -> Knobs` in `SWITCHES` (a few lines): it changes the
 policy, the LM's fields, the loss or the training state. A switch or anchor whose code is

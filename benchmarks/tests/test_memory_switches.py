@@ -117,6 +117,10 @@ def test_frontier_names_the_smallest_mpjax_step_at_no_more_time(tmp_path):
     fast, slow = text.splitlines()[2:4]
     assert "| mpjax b |" in fast and "**0.500**" in fast
     assert "| mpjax c |" in slow and "**0.500**" in slow
+    # the time compared leaves the collectives out
+    e = {**_detail("mpjax e", 1.0, 30.0, False), "roofline_s_no_collectives": 8.0 / 1e3}
+    fast = frontier_section({"details": [*details, e]}).splitlines()[2]
+    assert "| mpjax e |" in fast and "**0.250**" in fast
     records = [{"figures": {"details": details, "config": {"d": 4, "layers": 1}}}]
     plot_frontier(records, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 1000

@@ -161,7 +161,7 @@ def memory_plan(
       make_step: `make_step(rung) -> step`: the train step with `rung` applied (its blocks
         under `rung.wrap_module(Block)` or `rung.wrap(fn)`, its policy
         `rung.with_policy(policy)`).
-      *example_args: the step's arguments (arrays or `jax.ShapeDtypeStruct`s).
+      *example_args: the step's arguments (arrays or `jax.ShapeDtypeStruct` values).
       budget: bytes per device for temporaries plus arguments.
       target: `"h100"` (one deviceless H100, needs the gpu-aot extra and
         `JAX_PLATFORMS=cpu`), `"h100x2"`, `"h100x4"` or `"h100x8"` (as `mpjax.report`), or None
