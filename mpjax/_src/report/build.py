@@ -38,6 +38,8 @@ class Report:
       converts: a `Converts` per module with dtype conversions in the optimized program.
       collectives: a `Collective` per collective of the optimized program.
       memory: the `Memory` of the executable.
+      memory_plan: the `MemoryPlan` the step was built from (`report(...,
+        memory_plan=plan)`): what it chose, what each rung saved and cost; or None.
     """
 
     target: str
@@ -45,6 +47,7 @@ class Report:
     converts: tuple[Converts, ...]
     collectives: tuple[Collective, ...]
     memory: Memory
+    memory_plan: Any = None
 
     def flops_by_dtype(self, runs: bool = True) -> dict:
         """GEMM/conv FLOPs by dtype name: run per device (`runs=True`) or asked for."""
@@ -225,7 +228,7 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def report(fn, *args, target: str | None = None, **kwargs: Any) -> Report:
+def report(fn, *args, target: str | None = None, memory_plan: Any = None, **kwargs: Any) -> Report:
     """Compiles `fn(*args, **kwargs)` and reports what it runs, module by module.
 
     The precision each dot/convolution asks for comes from the lowered program; what runs,
@@ -240,6 +243,8 @@ def report(fn, *args, target: str | None = None, **kwargs: Any) -> Report:
         gpu-aot extra and `JAX_PLATFORMS=cpu`) or `"h100x2"`, `"h100x4"`, `"h100x8"` (one
         host of H100s; arguments with a `NamedSharding` keep their specs, other leaves are
         replicated).
+      memory_plan: the `mpjax.MemoryPlan` `fn` was built from (`plan.step`): the report
+        lists its choice and what every rung saved and cost.
       **kwargs: keyword arguments of `fn` (arrays).
 
     Returns:
@@ -267,4 +272,5 @@ def report(fn, *args, target: str | None = None, **kwargs: Any) -> Report:
             f"mpjax.report: {_name(fn)} does not compile for {resolved.name}: "
             f"{type(err).__name__}: {first}"
         ) from err
-    return build_report(lowered, compiled, resolved.name, resolved.gpu)
+    built = build_report(lowered, compiled, resolved.name, resolved.gpu)
+    return dataclasses.replace(built, memory_plan=memory_plan)

@@ -53,6 +53,8 @@ def summary(report) -> str:
     parts += [f"{op} {dtype} {human(b, 'B')}" for (op, dtype), b in by_op.items()]
     if report.memory.roofline_s is not None:
         parts.append(f"roofline {report.memory.roofline_s * 1e3:.3g} ms")
+    if report.memory_plan is not None:
+        parts.append(f"{report.memory_plan.summary()}")
     return "; ".join(parts)
 
 
@@ -119,7 +121,15 @@ def _tables(report) -> list[tuple[str, list[str], list[list[str]]]]:
             [[c.path, c.op, c.dtype.name, human(c.bytes, "B")] for c in report.collectives],
         ),
         ("memory", ["temp", "arguments", "outputs", "roofline"], memory),
+        *_plan_table(report),
     ]
+
+
+def _plan_table(report) -> list:
+    plan = report.memory_plan
+    if plan is None:
+        return []
+    return [(f"memory plan (budget {human(plan.budget, 'B')})", list(plan.HEADER), plan.rows())]
 
 
 def text(report) -> str:

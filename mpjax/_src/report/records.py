@@ -136,4 +136,6 @@ def to_plain(value):
         return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, jnp.dtype):
         return value.name
+    if callable(value):  # a memory plan's `make_step`, a checkpoint policy
+        return getattr(value, "__qualname__", None) or repr(value)
     return value
