@@ -44,7 +44,11 @@ class DelayedFp8(NamedTuple):
 
 
 def check_policy_fp8(fp8: Any, axis_name: Any) -> DelayedFp8 | None:
-    """Validates `apply_policy`'s `fp8` / `fp8_axis_name` arguments."""
+    """Validates `apply_policy`'s `fp8` / `fp8_axis_name` arguments.
+
+    Refuses a recipe whose `high_precision_last` keeps GEMMs (NVFP4's default): module by
+    module, the last GEMMs of the program are unknown.
+    """
     if fp8 is None:
         if axis_name is not None:
             raise ValueError("apply_policy: fp8_axis_name is given but fp8 is None")
@@ -55,6 +59,15 @@ def check_policy_fp8(fp8: Any, axis_name: Any) -> DelayedFp8 | None:
         raise ValueError(
             f"apply_policy: fp8_axis_name={axis_name!r} reduces delayed scaling's amaxes; "
             f"scaling={fp8.scaling!r} keeps no state, so drop fp8_axis_name"
+        )
+    if fp8.high_precision_rule:
+        said = "NVFP4's default 0.15" if fp8.high_precision_last is None else "this recipe's"
+        raise ValueError(
+            f"apply_policy: Fp8Recipe(scaling={fp8.scaling!r}) keeps the program's last GEMMs "
+            f"in the compute dtype (high_precision_last: {said}), and apply_policy, which "
+            "sees one module at a time, cannot tell which GEMMs are last; pass "
+            "high_precision_last=0 and exclude= the last layers by name (e.g. "
+            "exclude=('*/head', '*/block_11/*')), or use mpjax.autocast, which applies the rule"
         )
     return DelayedFp8(fp8, axis_name)
 
