@@ -95,7 +95,7 @@ def test_the_rule_is_overridable(rule, kept):
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "mxfp8", "blockwise"])
 def test_other_recipes_keep_every_gemm_in_low_precision_by_default(scaling):
     recipe = Fp8Recipe(scaling, min_dim=16, block_lowering="emulated")
-    assert recipe.high_precision_rule == 0 and recipe.kept_last(100) == 0
+    assert recipe.high_precision_rule == 0 and recipe.high_precision_count(100) == 0
     found = _layer_dtypes(_mlp, recipe, *_args())
     assert all(low & {E4M3} for low, _ in found.values()), found
     assert all(op.fp8 for op in fp8_ops(_mlp, recipe, *_args()))

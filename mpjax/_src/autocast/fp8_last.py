@@ -3,8 +3,8 @@
 The eligible GEMMs (those `autocast(fp8=recipe)` would run in fp8: `fp8_eligible` on a
 `dot_general`, or a 1x1 convolution's GEMM) are listed in the order the forward program runs
 them, sub-jaxprs (`jit`, `remat`, `cond`, `scan`, `while`, `custom_jvp`) inline; a `scan`
-body's GEMM counts once per iteration. The last `recipe.kept_last(count)` of them keep the
-compute dtype, except that the kept tail stops at the first GEMM, from the end, that cannot
+body's GEMM counts once per iteration. The last `recipe.high_precision_count(count)` of them
+keep the compute dtype, except that the kept tail stops at the first GEMM, from the end, that cannot
 stay alone: one inside a `scan` / `while` body (it runs for every layer of a stacked model)
 or one whose equation also runs earlier (a jitted function called twice shares its jaxpr).
 Autocast binds a kept GEMM under the name scope `KEPT_SCOPE`, which `mpjax.report` reads.
@@ -86,7 +86,7 @@ def kept_last(recipe: Fp8Recipe | None, jaxpr, lower: Callable | None = None) ->
     sites: list[_Site] = []
     _sites(recipe, jaxpr, lower or (lambda eqn: True), 1, sites)
     total = sum(max(s.runs, 1) for s in sites)
-    want = recipe.kept_last(total)
+    want = recipe.high_precision_count(total)
     seen: dict[int, int] = {}
     for s in sites:
         seen[id(s.eqn)] = seen.get(id(s.eqn), 0) + 1

@@ -228,9 +228,10 @@ class Fp8Recipe:
       >>> recipe = Fp8Recipe(scaling="rowwise", exclude=("*/head",))
       >>> recipe.power_of_two
       True
-      >>> Fp8Recipe(scaling="nvfp4").kept_last(12), Fp8Recipe(scaling="nvfp4").kept_last(4)
+      >>> nvfp4 = Fp8Recipe(scaling="nvfp4")  # the last 15 % of the GEMMs keep bf16
+      >>> nvfp4.high_precision_count(12), nvfp4.high_precision_count(4)
       (2, 1)
-      >>> Fp8Recipe(scaling="nvfp4", high_precision_last=0).kept_last(12)
+      >>> Fp8Recipe(scaling="nvfp4", high_precision_last=0).high_precision_count(12)
       0
     """
 
@@ -321,8 +322,16 @@ class Fp8Recipe:
             return NVFP4_HIGH_PRECISION_LAST if self.scaling == "nvfp4" else 0
         return self.high_precision_last
 
-    def kept_last(self, eligible: int) -> int:
-        """How many of `eligible` GEMMs, the last ones, keep the compute dtype."""
+    def high_precision_count(self, eligible: int) -> int:
+        """How many of a program's `eligible` GEMMs, the last ones, keep the compute dtype.
+
+        Args:
+          eligible: the number of GEMMs the recipe would run in its format.
+
+        Returns:
+          `high_precision_last` as a count (a fraction rounded to nearest, halves up), at
+          most `eligible`.
+        """
         rule = self.high_precision_rule
         if isinstance(rule, int):
             return min(rule, eligible)
