@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
 import mpjax
@@ -192,6 +193,10 @@ def test_apply_policy_refuses_a_rule_it_cannot_apply():
         mpjax.apply_policy(nn.Dense(WIDTH), "c=bf16", fp8=Fp8Recipe("nvfp4"))
     with pytest.raises(ValueError, match="cannot tell which GEMMs are last"):
         mpjax.apply_policy(nn.Dense(WIDTH), "c=bf16", fp8=Fp8Recipe(high_precision_last=1))
+    with pytest.raises(ValueError, match="apply_policy: Fp8Recipe.scaling='nvfp4'"):
+        mpjax.apply_policy(
+            nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0)), "c=bf16", fp8=Fp8Recipe("nvfp4")
+        )
     every = Fp8Recipe("nvfp4", high_precision_last=0)
     ok = mpjax.apply_policy(nn.Dense(WIDTH), "c=bf16", fp8=every)
     x = _args()[0]
