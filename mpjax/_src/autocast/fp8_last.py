@@ -3,10 +3,11 @@
 The eligible GEMMs (those `autocast(fp8=recipe)` would run in fp8: `fp8_eligible` on a
 `dot_general`, or a 1x1 convolution's GEMM) are listed in the order the forward program runs
 them, sub-jaxprs (`jit`, `remat`, `cond`, `scan`, `while`, `custom_jvp`) inline; a `scan`
-body's GEMM counts once per iteration. The last `recipe.high_precision_count(count)` of them
-keep the compute dtype, except that the kept tail stops at the first GEMM, from the end, that cannot
-stay alone: one inside a `scan` / `while` body (it runs for every layer of a stacked model)
-or one whose equation also runs earlier (a jitted function called twice shares its jaxpr).
+body's GEMM counts once per iteration. The last `recipe.high_precision_count(count)` of
+them keep the compute dtype, except that the kept tail stops at the first GEMM, from the end,
+that cannot stay alone: one inside a `scan` / `while` body (it runs for every layer of a
+stacked model) or one whose equation also runs earlier (a jitted function called twice shares
+its jaxpr).
 Autocast binds a kept GEMM under the name scope `KEPT_SCOPE`, which `mpjax.report` reads.
 """
 
@@ -24,14 +25,13 @@ from mpjax._src.fp8.conv import conv_gemm_site
 from mpjax._src.fp8.dot import fp8_eligible
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
-__all__ = ["KEPT_SCOPE", "kept_last"]
+__all__ = ["KEPT_SCOPE", "OWN_RULES", "kept_last"]
 
 # The name scope autocast binds a kept GEMM under (its HLO op_name shows it: `mpjax.report`).
 KEPT_SCOPE = "mpjax_high_precision_last"
 
 # autocast binds these as traced (their own rules), so nothing inside them turns fp8.
-_OWN_RULES = ("custom_vjp_call",)
-_LOOPS = ("scan", "while")
+OWN_RULES = ("custom_vjp_call",)
 
 
 class _Site(NamedTuple):
@@ -62,7 +62,7 @@ def _sites(recipe: Fp8Recipe, jaxpr, lower: Callable, runs: int, out: list) -> N
         if lower(eqn) and _eligible(recipe, eqn):
             out.append(_Site(eqn, runs))
         prim = eqn.primitive.name
-        if prim in _OWN_RULES:
+        if prim in OWN_RULES:
             continue
         inner = runs * eqn.params["length"] if prim == "scan" else 0 if prim == "while" else runs
         for sub in jaxprs_in_params(eqn.params):

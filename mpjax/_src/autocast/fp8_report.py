@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
-from mpjax._src.autocast.fp8_last import kept_last
+from mpjax._src.autocast.fp8_last import OWN_RULES, kept_last
 from mpjax._src.fp8.block_dot import native_block_gemms
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.choose import COMPUTE, choose_gemm_format, recipe_for_format
@@ -18,9 +18,6 @@ from mpjax._src.fp8.conv import conv_gemm_site, gemm_reason
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = ["Fp8Op", "fp8_ops"]
-
-# autocast binds these as traced (their own rules), so nothing inside them turns fp8.
-_OWN_RULES = ("custom_vjp_call",)
 
 
 class Fp8Op(NamedTuple):
@@ -95,7 +92,7 @@ def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute, kept: dict) -> None:
             if not reason and recipe.choose == "roofline":
                 reason, lowering, choice = _chosen(recipe, site, compute, operands)
             found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason, lowering, choice))
-        if prim not in _OWN_RULES:
+        if prim not in OWN_RULES:
             for sub in jaxprs_in_params(eqn.params):
                 _walk(sub, recipe, found, compute, kept)
 

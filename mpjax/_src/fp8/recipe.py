@@ -199,19 +199,20 @@ class Fp8Recipe:
         `"emulated"` (operands dequantised to the compute dtype: the format's numbers on any
         device) or `"auto"` (native on a GPU of compute capability 10 or above, for MXFP8
         and NVFP4). Ignored by the other scalings.
-      high_precision_last: how many of the program's last eligible GEMMs keep the compute
-        dtype (forward and both gradients), counted in the order they run in the forward
-        program: an int (a count) or a float in `[0, 1)` (a fraction of the eligible GEMMs,
-        rounded to the nearest count, halves up). `None` (default): `0.15` for
-        `"nvfp4"` (`NVFP4_HIGH_PRECISION_LAST`: NVIDIA's NVFP4 recipe keeps about 15 % of
-        the linear layers, the last blocks, and the LM head in BF16), `0` for the other
-        scalings. An LM's head, the last GEMM, is the first to stay. GEMMs inside a
-        `lax.scan` / `while` body (layers stacked by `nn.scan`) run once for every layer and
-        cannot stay for the last layers only: the count stops at the first one it meets
-        from the end, so a scanned model keeps the GEMMs after its scan (the head). Read
-        by `autocast` and `fp8_ops`, which see the whole program; `apply_policy` (module by
-        module) refuses a rule that keeps any GEMM: use `exclude=` there. `fp8_ops` gives
-        each kept GEMM's reason.
+      high_precision_last: how many of the program's last eligible GEMMs (those left after
+        `min_dim`, `exclude` and `exclude_if`; before `choose`) keep the compute dtype
+        (forward and both gradients), counted in the order they run in the forward program:
+        an int (a count) or a float in `[0, 1)` (a fraction of the eligible GEMMs, rounded
+        to the nearest count, halves up). `None` (default): `0.15` for `"nvfp4"`
+        (`NVFP4_HIGH_PRECISION_LAST`: NVIDIA's NVFP4 recipe keeps about 15 % of the linear
+        layers, the last blocks, and the LM head in BF16), `0` for the other scalings. An
+        LM's head, the last GEMM, is the first to stay. GEMMs inside a `lax.scan` / `while`
+        body (layers stacked by `nn.scan`) run once for every layer and cannot stay for the
+        last layers only: the count stops at the first one it meets from the end, so a
+        scanned model keeps the GEMMs after its scan (the head). Read by `autocast` and
+        `fp8_ops`, which see the whole program; `apply_policy` (module by module) refuses a
+        rule that keeps any GEMM: use `exclude=` there. `fp8_ops` gives each kept GEMM's
+        reason.
 
     Raises:
       ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a negative
