@@ -19,7 +19,13 @@ from mpjax._src.fp8.conv import fp8_conv_1x1
 from mpjax._src.fp8.delayed import FP8_META, delayed_fp8_dot_general, init_fp8_meta, update_fp8_meta
 from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax._src.fp8.quant import amax, compute_scale, dequantize, fp8_max, quantize
-from mpjax._src.fp8.recipe import FP8_DTYPES, NVFP4_HIGH_PRECISION_LAST, Fp8Recipe, Fp8Site
+from mpjax._src.fp8.recipe import (
+    FP8_DTYPES,
+    NVFP4_HIGH_PRECISION_FIRST,
+    NVFP4_HIGH_PRECISION_LAST,
+    Fp8Recipe,
+    Fp8Site,
+)
 from mpjax._src.fp8.saved import (
     SAVED_FP8_NAME,
     fp8_saved_conv,
@@ -37,6 +43,7 @@ __all__ = [
     "Fp8Op",
     "Fp8Recipe",
     "Fp8Site",
+    "NVFP4_HIGH_PRECISION_FIRST",
     "NVFP4_HIGH_PRECISION_LAST",
     "SAVED_FP8_NAME",
     "amax",

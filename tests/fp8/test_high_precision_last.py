@@ -8,6 +8,8 @@ GEMMs); a layer kept in the compute dtype has no low-precision value at all, and
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -120,6 +122,23 @@ def test_fp8_ops_says_which_gemms_stay_and_why():
     assert "excluded by" in ops[-1].reason and "last 1 of 9" in ops[-2].reason
 
 
+def test_high_precision_first_keeps_the_first_gemms():
+    """Megatron's `--num-layers-at-start-in-bf16` equivalent, alone and with the last ones."""
+    first = Fp8Recipe("nvfp4", min_dim=16, high_precision_first=2, high_precision_last=0)
+    found = _layer_dtypes(_mlp, dataclasses.replace(first, block_lowering="emulated"), *_args())
+    assert _nvfp4_layers(found) == list(range(2, LAYERS))
+    ops = fp8_ops(_mlp, first, *_args())
+    assert [op.fp8 for op in ops] == [False] * 2 + [True] * 8
+    assert all("high_precision_first=2: one of the first 2 of 10" in op.reason for op in ops[:2])
+    both = Fp8Recipe("nvfp4", min_dim=16, high_precision_first=0.2, high_precision_last=3)
+    assert [op.fp8 for op in fp8_ops(_mlp, both, *_args())] == [False] * 2 + [True] * 5 + [
+        False
+    ] * 3
+    overlap = Fp8Recipe("nvfp4", min_dim=16, high_precision_first=6, high_precision_last=6)
+    assert not any(op.fp8 for op in fp8_ops(_mlp, overlap, *_args()))
+    assert Fp8Recipe("mxfp8").high_precision_first_rule == 0
+
+
 class _Layer(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -186,6 +205,9 @@ def test_a_jitted_layer_called_twice_is_not_split():
 def test_bad_values_are_refused_naming_the_field(value, error, culprit):
     with pytest.raises(error, match=culprit):
         Fp8Recipe("nvfp4", high_precision_last=value)
+    first = culprit.replace("high_precision_last", "high_precision_first")
+    with pytest.raises(error, match=first):
+        Fp8Recipe("nvfp4", high_precision_first=value)
 
 
 def test_apply_policy_refuses_a_rule_it_cannot_apply():

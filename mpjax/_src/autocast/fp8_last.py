@@ -1,11 +1,13 @@
-"""`Fp8Recipe.high_precision_last`: which of a program's last GEMMs keep the compute dtype.
+"""`Fp8Recipe.high_precision_last` / `_first`: which of a program's last and first GEMMs keep
+the compute dtype.
 
 The eligible GEMMs (those `autocast(fp8=recipe)` would run in fp8: `fp8_eligible` on a
 `dot_general`, or a 1x1 convolution's GEMM) are listed in the order the forward program runs
 them, sub-jaxprs (`jit`, `remat`, `cond`, `scan`, `while`, `custom_jvp`) inline; a `scan`
 body's GEMM counts once per iteration. The last `recipe.high_precision_count(count)` of
-them keep the compute dtype, except that the kept tail stops at the first GEMM, from the end,
-that cannot stay alone: one inside a `scan` / `while` body (it runs for every layer of a
+them (and the first `recipe.high_precision_count(count, "first")`) keep the compute dtype,
+except that the kept run stops at the first GEMM, from its end of the program, that cannot
+stay alone: one inside a `scan` / `while` body (it runs for every layer of a
 stacked model) or one whose equation also runs earlier (a jitted function called twice shares
 its jaxpr).
 Autocast binds a kept GEMM under the name scope `KEPT_SCOPE`, which `mpjax.report` reads.
@@ -69,8 +71,37 @@ def _sites(recipe: Fp8Recipe, jaxpr, lower: Callable, runs: int, out: list) -> N
             _sites(recipe, sub, lower, inner, out)
 
 
+def _end(sites: list, want: int, seen: dict) -> tuple[list, str]:
+    """The first `want` of `sites` that can stay alone, and why the run stopped short."""
+    kept: list[_Site] = []
+    for s in sites:
+        if len(kept) == want:
+            break
+        if s.runs != 1:
+            return kept, "inside a lax.scan / while body (runs for every layer)"
+        if seen[id(s.eqn)] > 1:
+            return kept, "whose equation runs more than once (a shared jitted function)"
+        kept.append(s)
+    return kept, ""
+
+
+def _why(recipe: Fp8Recipe, end: str, kept: int, want: int, total: int, stop: str) -> str:
+    rule = getattr(recipe, f"high_precision_{end}")
+    resolved = recipe.high_precision_rule if end == "last" else recipe.high_precision_first_rule
+    said = f"{rule!r}" if rule is not None else f"None ({resolved} for {recipe.scaling})"
+    short = f"; stopped at a GEMM {stop} after {kept} of {want}" if stop else ""
+    return (
+        f"high_precision_{end}={said}: one of the {end} {kept} of {total} eligible GEMMs, "
+        f"kept in the compute dtype{short} (high_precision_{end}=0 runs it in "
+        f"{recipe.scaling})"
+    )
+
+
 def kept_last(recipe: Fp8Recipe | None, jaxpr, lower: Callable | None = None) -> dict[int, str]:
-    """{id(equation): why it keeps the compute dtype} for the GEMMs the rule keeps.
+    """{id(equation): why it keeps the compute dtype} for the GEMMs the rules keep.
+
+    `Fp8Recipe.high_precision_last` from the end of the program, then
+    `high_precision_first` from its start.
 
     Args:
       recipe: the `Fp8Recipe` (None: nothing is kept).
@@ -79,35 +110,21 @@ def kept_last(recipe: Fp8Recipe | None, jaxpr, lower: Callable | None = None) ->
         (autocast's "lower" category); default: every GEMM.
 
     Returns:
-      A dict from `id(eqn)` to the reason `fp8_ops` reports; empty when the rule keeps none.
+      A dict from `id(eqn)` to the reason `fp8_ops` reports; empty when the rules keep none.
     """
-    if recipe is None or not recipe.high_precision_rule:
+    if recipe is None or not (recipe.high_precision_rule or recipe.high_precision_first_rule):
         return {}
     sites: list[_Site] = []
     _sites(recipe, jaxpr, lower or (lambda eqn: True), 1, sites)
     total = sum(max(s.runs, 1) for s in sites)
-    want = recipe.high_precision_count(total)
     seen: dict[int, int] = {}
     for s in sites:
         seen[id(s.eqn)] = seen.get(id(s.eqn), 0) + 1
-    kept: list[_Site] = []
-    stop = ""
-    for s in reversed(sites):
-        if len(kept) == want:
-            break
-        if s.runs != 1:
-            stop = "inside a lax.scan / while body (runs for every layer)"
-            break
-        if seen[id(s.eqn)] > 1:
-            stop = "whose equation runs more than once (a shared jitted function)"
-            break
-        kept.append(s)
-    rule = recipe.high_precision_last
-    said = f"{rule!r}" if rule is not None else f"None ({recipe.high_precision_rule} for nvfp4)"
-    short = f"; stopped at a GEMM {stop} after {len(kept)} of {want}" if stop else ""
-    why = (
-        f"high_precision_last={said}: one of the last {len(kept)} of {total} eligible GEMMs, "
-        f"kept in the compute dtype{short} (high_precision_last=0 runs it in "
-        f"{recipe.scaling})"
-    )
-    return {id(s.eqn): why for s in kept}
+    out: dict[int, str] = {}
+    for end, order in (("first", sites), ("last", sites[::-1])):
+        want = recipe.high_precision_count(total, end)
+        if want:
+            kept, stop = _end(order, want, seen)
+            why = _why(recipe, end, len(kept), want, total, stop)
+            out.update({id(s.eqn): why for s in kept})
+    return out

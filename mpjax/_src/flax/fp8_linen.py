@@ -60,14 +60,16 @@ def check_policy_fp8(fp8: Any, axis_name: Any) -> DelayedFp8 | None:
             f"apply_policy: fp8_axis_name={axis_name!r} reduces delayed scaling's amaxes; "
             f"scaling={fp8.scaling!r} keeps no state, so drop fp8_axis_name"
         )
-    if fp8.high_precision_rule:
+    if fp8.high_precision_rule or fp8.high_precision_first_rule:
         said = "NVFP4's default 0.15" if fp8.high_precision_last is None else "this recipe's"
         raise ValueError(
-            f"apply_policy: Fp8Recipe(scaling={fp8.scaling!r}) keeps the program's last GEMMs "
-            f"in the compute dtype (high_precision_last: {said}), and apply_policy, which "
+            f"apply_policy: Fp8Recipe(scaling={fp8.scaling!r}) keeps the program's last (or "
+            f"first) GEMMs in the compute dtype (high_precision_last: {said}, "
+            f"high_precision_first: {fp8.high_precision_first_rule}), and apply_policy, which "
             "sees one module at a time, cannot tell which GEMMs are last; pass "
-            "high_precision_last=0 and exclude= the last layers by name (e.g. "
-            "exclude=('*/head', '*/block_11/*')), or use mpjax.autocast, which applies the rule"
+            "high_precision_last=0, high_precision_first=0 and exclude= those layers by name "
+            "(e.g. exclude=('*/head', '*/block_11/*')), or use mpjax.autocast, which applies "
+            "the rule"
         )
     return DelayedFp8(fp8, axis_name)
 

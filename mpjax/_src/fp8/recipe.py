@@ -12,7 +12,13 @@ import numpy as np
 
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 
-__all__ = ["FP8_DTYPES", "NVFP4_HIGH_PRECISION_LAST", "Fp8Recipe", "Fp8Site"]
+__all__ = [
+    "FP8_DTYPES",
+    "NVFP4_HIGH_PRECISION_FIRST",
+    "NVFP4_HIGH_PRECISION_LAST",
+    "Fp8Recipe",
+    "Fp8Site",
+]
 
 # The two OCP float8 formats Hopper tensor cores multiply (e4m3fn: max 448; e5m2: max 57344).
 FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
@@ -25,6 +31,9 @@ _TARGETS = ("h100", "b200")
 # NVFP4's default `high_precision_last`: NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149)
 # keeps about 15 % of the linear layers, the last blocks, and the LM head in BF16.
 NVFP4_HIGH_PRECISION_LAST = 0.15
+# NVFP4's default `high_precision_first`: NVIDIA's recipe keeps its first blocks in BF16 too
+# (Megatron-LM's `--num-layers-at-start-in-bf16`).
+NVFP4_HIGH_PRECISION_FIRST = 0
 
 
 class Fp8Site(NamedTuple):
@@ -103,24 +112,24 @@ def _margin(value: Any, *dtypes: np.dtype) -> float:
     return margin
 
 
-def _high_precision_last(value: Any) -> int | float | None:
+def _high_precision(value: Any, field: str) -> int | float | None:
     """None (the recipe's default), a count (int >= 0) or a fraction (float in [0, 1))."""
     if value is None:
         return None
-    field = f"Fp8Recipe: high_precision_last={value!r}"
+    said = f"Fp8Recipe: {field}={value!r}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
         raise TypeError(
-            f"{field} must be None (the recipe's default), an int count of final GEMMs or a "
-            "float fraction of them in [0, 1)"
+            f"{said} must be None (the recipe's default), an int count of GEMMs or a float "
+            "fraction of them in [0, 1)"
         )
     if isinstance(value, (int, np.integer)):
         if value < 0:
-            raise ValueError(f"{field}: a count of final GEMMs must be >= 0")
+            raise ValueError(f"{said}: a count of GEMMs must be >= 0")
         return int(value)
     fraction = float(value)
     if not 0.0 <= fraction < 1.0:  # NaN fails too
         raise ValueError(
-            f"{field}: a fraction of the GEMMs must be in [0, 1) (pass an int for a count; "
+            f"{said}: a fraction of the GEMMs must be in [0, 1) (pass an int for a count; "
             "to keep every GEMM in the compute dtype, drop fp8=)"
         )
     return fraction
@@ -213,10 +222,14 @@ class Fp8Recipe:
         `fp8_ops`, which see the whole program; `apply_policy` (module by module) refuses a
         rule that keeps any GEMM: use `exclude=` there. `fp8_ops` gives each kept GEMM's
         reason.
+      high_precision_first: the same from the start of the program (the first GEMMs, after
+        the embedding); `None` (default): `NVFP4_HIGH_PRECISION_FIRST` for `"nvfp4"`, `0`
+        for the other scalings.
 
     Raises:
       ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a negative
-        `high_precision_last` count or a fraction outside `[0, 1)`, a margin
+        `high_precision_last` / `high_precision_first` count or a fraction outside `[0, 1)`,
+        a margin
         with a block-scaled recipe or outside `[0, 14]` (the bound of float8_e4m3fn: beyond
         it the amax falls below the smallest normal), a history length below 1 or a
         `min_dim` below 16, naming the field.
@@ -252,6 +265,7 @@ class Fp8Recipe:
     choose: str = "fixed"
     target: str | None = None
     high_precision_last: int | float | None = None
+    high_precision_first: int | float | None = None
 
     def __post_init__(self):
         _choice(self.scaling, "scaling", _SCALINGS)
@@ -301,8 +315,8 @@ class Fp8Recipe:
             )
         object.__setattr__(self, "min_dim", min_dim)
         object.__setattr__(self, "exclude", _patterns(self.exclude))
-        rule = _high_precision_last(self.high_precision_last)
-        object.__setattr__(self, "high_precision_last", rule)
+        for field in ("high_precision_last", "high_precision_first"):
+            object.__setattr__(self, field, _high_precision(getattr(self, field), field))
         if self.exclude_if is not None and not callable(self.exclude_if):
             raise TypeError(
                 f"Fp8Recipe: exclude_if={self.exclude_if!r} must be a callable taking an "
@@ -323,17 +337,26 @@ class Fp8Recipe:
             return NVFP4_HIGH_PRECISION_LAST if self.scaling == "nvfp4" else 0
         return self.high_precision_last
 
-    def high_precision_count(self, eligible: int) -> int:
-        """How many of a program's `eligible` GEMMs, the last ones, keep the compute dtype.
+    @property
+    def high_precision_first_rule(self) -> int | float:
+        """`high_precision_first` with its default resolved (NVFP4: `NVFP4_HIGH_PRECISION_FIRST`,
+        else 0)."""
+        if self.high_precision_first is None:
+            return NVFP4_HIGH_PRECISION_FIRST if self.scaling == "nvfp4" else 0
+        return self.high_precision_first
+
+    def high_precision_count(self, eligible: int, end: str = "last") -> int:
+        """How many of a program's `eligible` GEMMs, at one end, keep the compute dtype.
 
         Args:
           eligible: the number of GEMMs the recipe would run in its format.
+          end: `"last"` (`high_precision_last`) or `"first"` (`high_precision_first`).
 
         Returns:
-          `high_precision_last` as a count (a fraction rounded to nearest, halves up), at
-          most `eligible`.
+          The rule as a count (a fraction rounded to nearest, halves up), at most `eligible`.
         """
-        rule = self.high_precision_rule
+        _choice(end, "high_precision_count end", ("last", "first"))
+        rule = self.high_precision_rule if end == "last" else self.high_precision_first_rule
         if isinstance(rule, int):
             return min(rule, eligible)
         return min(int(np.floor(rule * eligible + 0.5)), eligible)
