@@ -17,7 +17,13 @@ from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
 from mpjax._src.fp8.hadamard import random_hadamard
 from mpjax._src.fp8.orientations import OrientedBlocks, quantize_orientations
 from mpjax._src.fp8.quant import amax, compute_scale, dequantize, fp8_max, quantize
-from mpjax._src.fp8.recipe import FP8_DTYPES, Fp8Recipe, Fp8Site
+from mpjax._src.fp8.recipe import (
+    FP8_DTYPES,
+    NVFP4_HIGH_PRECISION_FIRST,
+    NVFP4_HIGH_PRECISION_LAST,
+    Fp8Recipe,
+    Fp8Site,
+)
 from mpjax._src.fp8.saved import (
     SAVED_FP8_NAME,
     fp8_saved_conv,
@@ -35,6 +41,8 @@ __all__ = [
     "Fp8Op",
     "Fp8Recipe",
     "Fp8Site",
+    "NVFP4_HIGH_PRECISION_FIRST",
+    "NVFP4_HIGH_PRECISION_LAST",
     "OrientedBlocks",
     "SAVED_FP8_NAME",
     "amax",

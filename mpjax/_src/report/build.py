@@ -10,6 +10,7 @@ import jax
 
 from mpjax._src.analysis import collectives as hlo_collectives
 from mpjax._src.analysis import hlo_cost
+from mpjax._src.autocast.fp8_last import KEPT_SCOPE
 from mpjax._src.report import format as fmt
 from mpjax._src.report.paths import library_last, split_op_name
 from mpjax._src.report.records import (
@@ -149,7 +150,8 @@ def _dominant(counter: Counter):
 def _gemms(lowered_text: str, optimized) -> tuple[Gemm, ...]:
     asked = list(hlo_cost.analyze(lowered_text).gemms)
     rows = []
-    for g, o in _match(asked, list(optimized.gemms)):
+    pairs = list(_match(asked, list(optimized.gemms)))
+    for g, o in pairs:
         path, direction = split_op_name(g.op_name)
         path = path or UNNAMED
         runs = wider(as_dtype(o.lhs_dtype), as_dtype(o.rhs_dtype)) if o is not None else None
@@ -172,7 +174,10 @@ def _gemms(lowered_text: str, optimized) -> tuple[Gemm, ...]:
 
         return f32_vs(r[6], top_runs) or f32_vs(wider(r[3], r[4]), top_asks)
 
-    return tuple(Gemm(*r, flagged=flag(r)) for r in rows)
+    kept = [KEPT_SCOPE in g.op_name for g, _ in pairs]  # Fp8Recipe.high_precision_last
+    return tuple(
+        Gemm(*r, flagged=flag(r), high_precision_last=k) for r, k in zip(rows, kept, strict=True)
+    )
 
 
 def _path(op_name: str) -> str:
