@@ -6,6 +6,8 @@ program is `models[model].variants[variant](config)`, a `TrainProgram` (`init`, 
 function (`measure_program`): the step is compiled with its state donated and read for
 
 - temp and argument memory (XLA's buffer assignment), parameter count and state bytes;
+- the seconds to trace and lower the step (`trace_s`, where mpjax's rewrites run) and
+  XLA's compile of it (`compile_s`), on this machine and its load at the time;
 - on an H100 target (deviceless compile): kernels by kind, GEMM/conv FLOPs by operand
   dtype, converts, bytes and the roofline (`mpjax/_src/analysis/hlo_cost.py`), and on 8
   H100s the collectives by op and dtype with a ring estimate of their time;
@@ -205,24 +207,30 @@ def _placed_args(program, mesh, split: str):
     return state, batch
 
 
-def compile_program(program, target: str, split: str = "fsdp"):
-    """`(lowered, compiled, abstract state)` of `jit(program.step, donate_argnums=0)`."""
+def compile_program(program, target: str, split: str = "fsdp", seconds: dict | None = None):
+    """`(lowered, compiled, abstract state)` of `jit(program.step, donate_argnums=0)`.
+
+    `seconds`, if given, receives `trace_s` (tracing and lowering to StableHLO, where
+    mpjax's rewrites run) and `compile_s` (XLA's compile of the lowered step).
+    """
     topology, _ = TARGETS[target]
+    seconds = {} if seconds is None else seconds
     if topology is not None:  # deviceless H100s: cuDNN attention traces as on a real one
         from mpjax._src.analysis.target import target_cudnn
 
         with target_cudnn():
-            return _compile(program, target, split)
-    return _compile(program, target, split)
+            return _compile(program, target, split, seconds)
+    return _compile(program, target, split, seconds)
 
 
-def _compile(program, target: str, split: str):
+def _compile(program, target: str, split: str, seconds: dict):
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     topology, layout = TARGETS[target]
     key = jax.random.key(0)
+    start = time.perf_counter()
     if topology is None:
         state, batch = jax.eval_shape(program.init, key), jax.eval_shape(program.batch, key)
         lowered = jax.jit(program.step, donate_argnums=0).trace(state, batch).lower()
@@ -242,7 +250,11 @@ def _compile(program, target: str, split: str):
         out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(mesh, P()))
         step = jax.jit(program.step, out_shardings=out, donate_argnums=0)
         lowered = step.trace(state, batch).lower()
-    return lowered, lowered.compile(), state
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    seconds["trace_s"] = lowered_at - start
+    seconds["compile_s"] = time.perf_counter() - lowered_at
+    return lowered, compiled, state
 
 
 # --- the measurements ----------------------------------------------------------------------
@@ -353,8 +365,9 @@ def measure_program(
     size = case.size(models, quick)
     cfg = model.config(model.sizes[size], size)
     program = model.variants[case.variant](cfg)
-    lowered, compiled, state = compile_program(program, case.target, model.split)
-    figures = {"config": cfg, **memory_figures(compiled, state)}
+    seconds: dict = {}
+    lowered, compiled, state = compile_program(program, case.target, model.split, seconds)
+    figures = {"config": cfg, **seconds, **memory_figures(compiled, state)}
     topology, layout = TARGETS[case.target]
     if topology is None:
         cost = compiled.cost_analysis()

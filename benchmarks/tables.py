@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 GIB, MIB = 2**30, 2**20
+COMPILE = "compile s (vs anchor)"  # trace + lower + XLA compile, on the run's machine
 
 # --- formatting ------------------------------------------------------------------------------
 
@@ -86,6 +87,16 @@ def _with_anchor(records: list[dict]) -> list[tuple[dict, dict | None]]:
     return out
 
 
+def _compile_cell(f: dict, a: dict | None) -> str:
+    """Seconds to trace, lower and compile the step, with the ratio to the anchor's."""
+    if "compile_s" not in f:
+        return "-"  # a record from before compile times were recorded
+    total = f["trace_s"] + f["compile_s"]
+    if a is None or "compile_s" not in a:
+        return f"{total:.1f}"
+    return f"{total:.1f} ({total / (a['trace_s'] + a['compile_s']):.2f}x)"
+
+
 def _size(r: dict) -> str:
     return r.get("size") or r["model"]
 
@@ -107,13 +118,14 @@ def cost_table(records):
             [r["model"], r["variant"], round(f["temp_bytes"] / GIB, 3), temp]
             + [round(f["roofline_s"] * 1e3, 3), roof, round(f["bytes"] / 1e9, 2), f["kernels"]]
             + [kinds, _tflop(f["gemm_flops"]), _tflop(f["conv_flops"]), _f32(f)]
-            + [f["converts"], f["convert_kernels"]]
+            + [f["converts"], f["convert_kernels"], _compile_cell(f, a)]
         )
     s_cols = ["model", "path", "roofline vs bf16", "temp vs bf16", "f32 GEMMs/convs"]
     f_cols = ["model", "variant", "temp GiB", "temp vs anchor", "roofline ms"]
     f_cols += ["roofline vs anchor", "GB accessed", "kernels", "kernels by kind"]
     f_cols += ["GEMM TFLOP by dtype", "conv TFLOP by dtype", "f32 GEMMs/convs", "converts"]
-    return s_cols + ["convert kernels"], short, f_cols + ["convert kernels"], full
+    f_cols += ["convert kernels", COMPILE]
+    return s_cols + ["convert kernels"], short, f_cols, full
 
 
 def fp8_table(records):
@@ -128,10 +140,10 @@ def fp8_table(records):
         full.append(
             [_size(r), r["variant"], round(f["roofline_s"] * 1e3, 3), roof]
             + [round(f["temp_bytes"] / GIB, 3), share, _tflop(f["gemm_flops"])]
-            + [_tflop(f["conv_flops"]), f["kernels"]]
+            + [_tflop(f["conv_flops"]), f["kernels"], _compile_cell(f, a)]
         )
     f_cols = ["size", "variant", "roofline ms", "vs anchor", "temp GiB", "in fp8"]
-    f_cols += ["GEMM TFLOP by dtype", "conv TFLOP by dtype", "kernels"]
+    f_cols += ["GEMM TFLOP by dtype", "conv TFLOP by dtype", "kernels", COMPILE]
     return ["size", "path", "roofline vs anchor", "in fp8"], short, f_cols, full
 
 
@@ -149,11 +161,12 @@ def blocks_table(records):
             + [round(f["temp_bytes"] / GIB, 3), share, _tflop(f["gemm_flops"])]
             + _parts(f)
             + [", ".join(f"{k} {n}" for k, n in sorted(f["kernels_by_kind"].items()))]
+            + [_compile_cell(f, a)]
         )
     s_cols = ["GPU", "size", "path", "roofline vs bf16", "block GEMMs in fp8/fp4"]
     f_cols = ["GPU", "size", "variant", "roofline ms", "vs bf16", "temp GiB"]
     f_cols += ["block GEMMs in fp8/fp4", "GEMM TFLOP by dtype"]
-    f_cols += [f"{p} ms (%)" for p in PARTS] + ["kernels by kind"]
+    f_cols += [f"{p} ms (%)" for p in PARTS] + ["kernels by kind", COMPILE]
     return s_cols, short, f_cols, full
 
 
@@ -186,13 +199,13 @@ def multi_gpu_table(records):
             + [round(f[k] * 1e3, 3) for k in ("comm_s_nvlink", "comm_s_inter_host")]
             + [round(f["comm_s_links"] * 1e3, 3), round(f["temp_bytes"] / MIB, 1)]
             + [round(f["argument_bytes"] / MIB, 1), round(f["state_bytes"] / f["params"], 3)]
-            + [ops]
+            + [ops, _compile_cell(f, a)]
         )
     s_cols = ["model", "target", "path", "collective bytes vs bf16", "comm ms by link"]
     f_cols = ["model", "target", "mesh", "variant", "collectives", "collective MiB"]
     f_cols += ["vs anchor", "comm ms NVLink", "comm ms inter-host", "comm ms by link"]
     f_cols += ["temp MiB/dev", "args MiB/dev", "state B/param", "by op and dtype (count, MiB)"]
-    return s_cols + ["MiB per device"], short, f_cols, full
+    return s_cols + ["MiB per device"], short, f_cols + [COMPILE], full
 
 
 def opt_step_table(records):

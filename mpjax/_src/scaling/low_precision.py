@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from mpjax._src.core.dtypes import is_floating as _is_floating
 from mpjax._src.core.policy import DTYPE_NAMES
@@ -31,6 +32,7 @@ from mpjax._src.scaling.blockwise8 import (
 from mpjax._src.scaling.nnx_nodes import nodes_from_nnx
 from mpjax._src.scaling.random_bits import fmix32 as _fmix32
 from mpjax._src.scaling.random_bits import random_bits16 as _random_bits16
+from mpjax._src.scaling.random_bits import u32 as _u32
 
 __all__ = ["LowPrecisionState", "low_precision_state", "stochastic_round"]
 
@@ -74,16 +76,18 @@ def stochastic_round(x: jax.Array, seed: jax.Array) -> jax.Array:
     """
     if x.dtype != jnp.float32:
         raise TypeError(f"stochastic_round: needs a float32 array, got {x.dtype}")
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    finite = jnp.isfinite(x)
-    noisy = jnp.where(finite, bits + _random_bits16(x.shape, seed), bits)
-    hi = (noisy >> 16).astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
+    # lax primitives, not jnp operators: no jit dispatch per call while tracing (random_bits)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    noisy = lax.select(lax.is_finite(x), lax.add(bits, _random_bits16(x.shape, seed)), bits)
+    hi = lax.convert_element_type(lax.shift_right_logical(noisy, _u32(noisy, 16)), jnp.uint16)
+    return lax.bitcast_convert_type(hi, jnp.bfloat16)
 
 
 def _leaf_seed(seed: int, count: jax.Array, leaf: int) -> jax.Array:
-    mixed = _fmix32(jnp.uint32(seed) ^ _fmix32(count.astype(jnp.uint32) + jnp.uint32(0x632BE5AB)))
-    return _fmix32(mixed ^ jnp.uint32((leaf * 0x27D4EB2F) & 0xFFFFFFFF))
+    count = lax.convert_element_type(count, jnp.uint32)
+    mixed = _fmix32(lax.add(count, _u32(count, 0x632BE5AB)))
+    mixed = _fmix32(lax.bitwise_xor(_u32(count, seed), mixed))
+    return _fmix32(lax.bitwise_xor(mixed, _u32(count, leaf * 0x27D4EB2F)))
 
 
 def _narrows(x: Any, dtype: jnp.dtype) -> bool:
