@@ -344,8 +344,9 @@ def _identity_note(check: dict) -> str:
         if i not in same:
             losses = "the same losses" if c["losses"] else "different losses"
             n = c.get("differing_master_elements", "some")
-            parts.append(f"for seed {i}, {losses} and {n} master element(s) apart")
-    return text + "; ".join(parts) + " (see below)."
+            parts.append(f"seed {i} gave {losses}, {n} master elements apart")
+    lead = text if same else "The runs with a float32 master and with the remainder differ: "
+    return lead + "; ".join(parts) + " (see below)."
 
 
 def _seeds(seeds: list[int]) -> str:
@@ -467,7 +468,7 @@ def plot_memory(records: list[dict], path: Path) -> None:
     labels = [r.get("label", r["variant"]) for r in rows]
     params = [r["figures"]["param_bytes"] / 8 / unit for r in rows]
     rest = [(r["figures"]["state_bytes"] - r["figures"]["param_bytes"]) / 8 / unit for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(rows)))
+    fig, ax = plt.subplots(figsize=(7.6, 1.2 + 0.35 * len(rows)))
     ax.barh(labels, params, color="#4c72b0", label="params")
     ax.barh(labels, rest, left=params, color="#dd8452", label="master + optimizer state")
     for y, (p, q, r) in enumerate(zip(params, rest, rows, strict=True)):
@@ -479,7 +480,7 @@ def plot_memory(records: list[dict], path: Path) -> None:
     ax.set_xlim(0, 1.4 * max((p + q for p, q in zip(params, rest, strict=True)), default=1))
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=200)
     plt.close(fig)
 
 

@@ -78,6 +78,7 @@ add_module_names = False
 html_theme = "furo"
 html_title = f"mpjax {release}"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]  # code blocks fit 100 columns; folded tables
 
 
 _PRIVATE_TYPE = re.compile(r"\bmpjax\._src\.[\w.]*\.(\w+)\b")
