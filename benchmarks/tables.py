@@ -2,13 +2,18 @@
 
 `write_docs(results_json, out_dir)` writes, into `out_dir` (`docs/_generated/`, run by
 `docs/conf.py` at every build): one Markdown file per table in a short form (`<table>.md`,
-the columns a reader compares) and in full (`<table>_full.md`), the run's provenance
-(`machine.md`) and two plots: `perf_ratios.png` (roofline and temp memory of every mpjax
-path over the hand-written anchor, per model) and `memory_per_device.png` (training state per
-device under 8-way FSDP, per mode). A table of a registered case is found by its table name;
-a study's own table is written as it returned it.
+the columns a reader compares, rows named in words with the variant id small), in full
+(`<table>_full.md`) and folded in a `<details>` block (`<table>_folded.md`); the short table
+each of the performance, memory and fp8 pages leads with (`lead_<page>.md`,
+`tables_lead.py`); the run's provenance (`machine.md`) and three plots: `perf_ratios.png`
+(roofline and temp memory of every mpjax path over the hand-written anchor, per model),
+`memory_per_device.png` (training state per device under 8-way FSDP, per mode) and
+`fp8_recipes.png` (the wide LM's step under each fp8 recipe, measured and on the cost
+models). A table of a registered case is found by its table name; a study's own table is
+written as it returned it, byte counts in MiB/GiB. The docs build regenerates all of them;
+by hand (the figures land in `docs/_generated/`, git-ignored):
 
-    python benchmarks/tables.py benchmarks/results.json docs/_generated
+    python benchmarks/tables.py benchmarks/results.json docs/_generated benchmarks/results-gpu.json
 """
 
 from __future__ import annotations
