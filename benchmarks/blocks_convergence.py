@@ -2,9 +2,11 @@
 
 `examples/train_char_lm.py` (its default 500 steps, seed 0) trained with bf16 compute and
 its GEMMs under `Fp8Recipe("mxfp8" | "blockwise" | "nvfp4")` (the example's
-`FP8_RECIPES`: the byte head in bf16), emulated on this CPU (the same numbers as the native
-GEMMs: block scales are exact factors), and tensorwise fp8 for comparison; validation bits
-per byte against bf16. `--quick`: the tiny model of the memory study, 20 steps.
+`FP8_RECIPES`: the byte head in bf16; NVFP4 with its default `high_precision_last`, which
+keeps the last 2 of the 12 other GEMMs, the last block's MLP, in bf16), emulated on this CPU
+(the same numbers as the native GEMMs: block scales are exact factors), and tensorwise fp8
+for comparison; validation bits per byte against bf16. `--quick`: the tiny model of the
+memory study, 20 steps.
 
     python benchmarks/run.py --only blocks-convergence
 """
@@ -40,6 +42,8 @@ def run(quick: bool = False, seed: int = 0) -> dict:
         "rows": rows,
         "notes": (
             "fp8: tensorwise current scaling. Block-scaled recipes emulated on the CPU (their "
-            "numbers, not their speed); the byte head stays bf16 in every recipe."
+            "numbers, not their speed); the byte head stays bf16 in every recipe, and nvfp4 "
+            "keeps its default high_precision_last (the last 15 % of the GEMMs: the last "
+            "block's MLP) in bf16."
         ),
     }

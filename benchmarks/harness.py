@@ -267,11 +267,14 @@ def hlo_figures(hlo_text: str, target: str = "h100") -> dict:
     """Kernels, FLOPs by dtype, converts, bytes and roofline (on the target's GPU: H100 or
     B200 peaks) of optimized XLA:GPU HLO."""
     from mpjax._src.analysis import hlo_cost
+    from mpjax._src.analysis.decomposition import decompose
     from mpjax._src.analysis.peaks import B200, H100, roofline_seconds
 
     r = hlo_cost.analyze(hlo_text)
+    peaks = B200 if target == "b200" else H100
     return {
-        "roofline_s": roofline_seconds(r, B200 if target == "b200" else H100),
+        "roofline_s": roofline_seconds(r, peaks),
+        "roofline_by_part": decompose(r, peaks),
         "bytes": r.bytes,
         "kernels": len(r.kernels),
         "kernels_by_kind": r.kernels_by_kind,

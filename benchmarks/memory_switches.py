@@ -12,8 +12,13 @@ live at the peak attributed to categories by shape by a liveness walk of the opt
 (`mpjax/_src/analysis/liveness.py`): attention scores (T x T), logits (vocabulary-wide),
 MLP hidden, model-width hidden states, weight copies (a parameter's size or its FSDP
 shard), fp8 saved activations, other. The rows: the two anchors (the hand-written Flax
-bf16 LM with XLA attention, and the expert's with cuDNN attention), mpjax's
-`apply_policy` path without any switch, each switch alone, and all switches together.
+bf16 LM with XLA attention, and the expert's with cuDNN attention), the strong hand-written
+anchors of issue 36 (the expert's with a 15-line chunked cross-entropy, `STRONG_ANCHORS`:
+alone, with every block under `nn.remat(dots_with_no_batch_dims_saveable)`, under full
+remat), mpjax's `apply_policy` path without any switch, each switch alone, all switches
+together, and all switches with every block under each remat policy of `REMAT`. Every row
+also records its roofline (`hlo_cost` at H100 peaks) and compile time; the docs plot memory
+against roofline time for every row (`benchmarks/tables.plot_frontier`).
 
 A switch is a function `Knobs -> Knobs` in `SWITCHES` (a few lines): it changes the
 policy, the LM's fields, the loss or the training state. A switch or anchor whose code is
@@ -35,10 +40,12 @@ import numpy as np
 import optax
 
 import mpjax
-from benchmarks.harness import compile_program
-from benchmarks.train_models import LM_SIZES
+from benchmarks.harness import _mesh, collective_figures, compile_program
+from benchmarks.train_models import LM_SIZES, cudnn_attention
 from benchmarks.train_variants import LM_VARIANTS, ONE_STRING, TrainProgram, _lm, lm_config
+from mpjax._src.analysis import hlo_cost
 from mpjax._src.analysis.liveness import Buffer, attribute, peak_buffers
+from mpjax.fp8 import saved_activations_policy
 from mpjax.nn import linear_cross_entropy
 
 GIB = 2**30
@@ -50,8 +57,10 @@ class Knobs(NamedTuple):
     """What a switch may change in mpjax's LM train step.
 
     Attributes:
-      policy: the `apply_policy` policy.
-      module_kw: extra fields of the LM module (`benchmarks/train_models.py`).
+      policy: the `apply_policy` policy; None: the hand-written bf16 LM (`dtype=bfloat16`,
+        cuDNN attention), no `apply_policy`.
+      module_kw: extra fields of the LM module (`benchmarks/train_models.py`; `remat`:
+        every block under `nn.remat`, `"full"` or a checkpoint policy).
       loss: `loss(model, variables, tokens, padding) -> mean float32 loss` (`model` is the
         policy-wrapped LM, `tokens` include the next token); None: logits, then optax's
         softmax cross-entropy in float32 (the unfused loss).
@@ -59,7 +68,7 @@ class Knobs(NamedTuple):
         (bfloat16 params, `loss_scaled`'s int16 remainder master, AdamW state in bfloat16).
     """
 
-    policy: mpjax.Policy = mpjax.get_policy(ONE_STRING)
+    policy: mpjax.Policy | None = mpjax.get_policy(ONE_STRING)
     module_kw: dict = {}
     loss: Callable | None = None
     state: str = "f32"
@@ -71,6 +80,42 @@ def _fused_loss(model, variables, tokens, padding):
     labels = jnp.where(padding, tokens[:, 1:], -1)
     kernel = variables["params"]["head"]["kernel"]
     return linear_cross_entropy(hidden, kernel, labels, ignore_index=-1, dtype=jnp.bfloat16)
+
+
+CHUNK = 128  # tokens of a sequence per chunk of the hand-written loss
+
+
+def chunked_cross_entropy(hidden, kernel, labels, chunk: int = CHUNK):
+    """Mean float32 cross-entropy of `hidden @ kernel` (labels < 0 ignored), a sequence chunk
+    at a time under `jax.checkpoint`: no `[tokens, vocab]` logits live, only a chunk's.
+
+    The hand-written anchor's loss (what an expert writes in 15 lines). `hidden` is
+    `[batch, T, d]`, `kernel` `[d, vocab]`, `labels` `[batch, T]`."""
+    b, t, d = hidden.shape
+    c = math.gcd(t, chunk)
+    xs = (
+        hidden.reshape(b, t // c, c, d).swapaxes(0, 1),
+        labels.reshape(b, t // c, c).swapaxes(0, 1),
+    )
+    w = kernel.astype(hidden.dtype)
+
+    @jax.checkpoint
+    def one(total, x):
+        h, y = x
+        logits = jnp.einsum("bcd,dv->bcv", h, w).astype(jnp.float32)  # fuses into the reductions
+        picked = jnp.take_along_axis(logits, jnp.maximum(y, 0)[..., None], axis=-1)[..., 0]
+        nll = jax.nn.logsumexp(logits, axis=-1) - picked
+        return total + jnp.sum(jnp.where(y >= 0, nll, 0.0)), None
+
+    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), xs)
+    return total / jnp.maximum(jnp.sum(labels >= 0), 1)
+
+
+def _chunked_loss(model, variables, tokens, padding):
+    """The hand-written chunked cross-entropy of the LM's final hidden states and head kernel."""
+    hidden = model.apply(variables, tokens[:, :-1], padding)
+    labels = jnp.where(padding, tokens[:, 1:], -1)
+    return chunked_cross_entropy(hidden, variables["params"]["head"]["kernel"], labels)
 
 
 # name -> Knobs -> Knobs. Each switch is a few lines; they compose in this order.
@@ -95,6 +140,33 @@ PENDING = ("fused attention", "fused loss")
 ANCHORS = {
     "anchor: hand-written bf16, XLA attention": "bf16-xla",
     "anchor: expert, cuDNN attention": "bf16",
+}
+# The strong hand-written anchors of issue 36 (row name -> Knobs, policy None): the expert's
+# step with a chunked cross-entropy (no float32 logits), then each block under `nn.remat`.
+STRONG = "anchor: expert + chunked cross-entropy"
+_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+_EXPERT = Knobs(
+    policy=None,
+    module_kw={"attention_fn": cudnn_attention, "head_bias": False, "hidden_only": True},
+    loss=_chunked_loss,
+)
+STRONG_ANCHORS = {
+    STRONG: _EXPERT,
+    f"{STRONG} + remat(dots saveable)": _EXPERT._replace(
+        module_kw={
+            **_EXPERT.module_kw,
+            "remat": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        }
+    ),
+    f"{STRONG} + full remat": _EXPERT._replace(module_kw={**_EXPERT.module_kw, "remat": "full"}),
+}
+# The anchors of the ratio columns.
+RATIO_ANCHORS = (*ANCHORS, STRONG)
+# mpjax's remat choices on top of all switches: row suffix -> the blocks' `remat`.
+REMAT = {
+    "remat(fp8 saved)": saved_activations_policy(),
+    "remat(fp8 saved + dots saveable)": saved_activations_policy(_DOTS),
+    "full remat": "full",
 }
 CATEGORIES = (
     "attention scores and probabilities (T x T)",
@@ -122,9 +194,11 @@ def program(cfg: dict, knobs: Knobs) -> TrainProgram:
     """The LM train step of `knobs` (`benchmarks/train_variants.lm_program`'s data)."""
     base = LM_VARIANTS["bf16"](cfg)  # batch() and the shapes
     # `hidden_only` (the fused loss) leaves the head to the loss: init makes it all the same
-    init_model = _lm(cfg, **{k: v for k, v in knobs.module_kw.items() if k != "hidden_only"})
-    apply_model = _lm(cfg, **knobs.module_kw)
-    policy, tx = knobs.policy, _adamw()
+    hand_written = knobs.policy is None
+    module_kw = {**knobs.module_kw, **({"dtype": jnp.bfloat16} if hand_written else {})}
+    init_model = _lm(cfg, **{k: v for k, v in module_kw.items() if k != "hidden_only"})
+    apply_model = _lm(cfg, **module_kw)
+    policy, tx = knobs.policy or mpjax.get_policy("float32"), _adamw()
     if knobs.state == "bf16-remainder":
         policy = policy.with_param_dtype(jnp.bfloat16)
         tx = mpjax.loss_scaled(
@@ -134,7 +208,7 @@ def program(cfg: dict, knobs: Knobs) -> TrainProgram:
         )
     elif knobs.state != "f32":
         raise ValueError(f"Knobs.state={knobs.state!r}; use 'f32' or 'bf16-remainder'")
-    model = mpjax.apply_policy(apply_model, policy)
+    model = apply_model if hand_written else mpjax.apply_policy(apply_model, policy)
     loss_fn = knobs.loss or _unfused_loss
     scaled = knobs.state != "f32"
 
@@ -162,6 +236,8 @@ def program(cfg: dict, knobs: Knobs) -> TrainProgram:
 def rows() -> dict[str, Callable[[dict], TrainProgram] | None]:
     """Row name -> program builder (None: not on this branch)."""
     out: dict[str, Callable | None] = {r: LM_VARIANTS.get(v) for r, v in ANCHORS.items()}
+    for name, anchor in STRONG_ANCHORS.items():
+        out[name] = lambda cfg, k=anchor: program(cfg, k)
     knobs = Knobs()
     out["mpjax apply_policy, no switch"] = lambda cfg, k=knobs: program(cfg, k)
     for name in PENDING:
@@ -174,6 +250,9 @@ def rows() -> dict[str, Callable[[dict], TrainProgram] | None]:
     for switch in SWITCHES.values():
         every = switch(every)
     out["all switches"] = lambda cfg, k=every: program(cfg, k)
+    for name, remat in REMAT.items():
+        k = every._replace(module_kw={**every.module_kw, "remat": remat})
+        out[f"all switches + {name}"] = lambda cfg, k=k: program(cfg, k)
     return out
 
 
@@ -202,18 +281,32 @@ def lm_category(cfg: dict, param_sizes: set[int]) -> Callable[[Buffer], str]:
     return category
 
 
+def _collective(kind: str) -> bool:
+    return any(op in kind for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                                     "collective-permute"))  # fmt: skip
+
+
 def measure(name: str, build: Callable, cfg: dict) -> dict:
     """One row: XLA's per-GPU temp and arguments, and the peak's attribution."""
     t0 = time.time()
     _, compiled, state = compile_program(build(cfg), "h100x8")
+    compile_s = time.time() - t0
     memory = compiled.memory_analysis()
     sizes = {int(np.prod(x.shape)) for x in jax.tree.leaves(state[0])}
     sizes |= {s // DEVICES for s in sizes if s % DEVICES == 0}
-    peak, buffers = peak_buffers(compiled.as_text())
+    text = compiled.as_text()
+    kernels = hlo_cost.analyze(text).kernels
+    comm = collective_figures(text, list(_mesh("1x1x8", "fsdp").devices.flat))
+    peak, buffers = peak_buffers(text)
     by_category = attribute(buffers, lm_category(cfg, sizes))
     print(f"[memory-switches] {name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return {
         "row": name,
+        "hand_written": name.startswith("anchor:"),
+        "roofline_s": sum(k.time_s for k in kernels),
+        "roofline_s_no_collectives": sum(k.time_s for k in kernels if not _collective(k.kind)),
+        "comm_s_nvlink": comm["comm_s_nvlink"],
+        "compile_s": round(compile_s, 1),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "walk_peak_bytes": int(peak),
@@ -250,10 +343,15 @@ def _gib(x: float) -> float:
     return round(x / GIB, 3)
 
 
+def _ms(seconds: float) -> float:
+    return float(f"{1e3 * seconds:.4g}")
+
+
 def table(results: list[dict], anchors: dict) -> tuple[list, list]:
     """Columns and rows of the per-GPU memory table (GiB; ratios to each anchor)."""
-    columns = ["step", "temp GiB", "args GiB", "temp + args GiB"]
-    columns += [f"vs {a.split(': ', 1)[1]}" for a in ANCHORS]
+    columns = ["step", "temp GiB", "args GiB", "temp + args GiB", "roofline ms"]
+    columns += ["of it collectives ms", "NVLink ring ms", "compile s"]
+    columns += [f"vs {a.split(': ', 1)[1]}" for a in anchors]
     columns += list(CATEGORIES)
     out = []
     for r in results:
@@ -272,6 +370,10 @@ def table(results: list[dict], anchors: dict) -> tuple[list, list]:
                 _gib(r["temp_bytes"]),
                 _gib(r["argument_bytes"]),
                 _gib(total),
+                _ms(r["roofline_s"]),
+                _ms(r["roofline_s"] - r["roofline_s_no_collectives"]),
+                _ms(r["comm_s_nvlink"]),
+                r["compile_s"],
                 *ratios,
                 *cats,
             ]
@@ -292,7 +394,7 @@ def compile_rows(quick: bool, only: tuple[str, ...] = ()) -> dict:
         results.append(missing if build is None else measure(name, build, cfg))
     anchors = {
         a: next((r for r in results if r["row"] == a and not r.get("missing")), None)
-        for a in ANCHORS
+        for a in RATIO_ANCHORS
     }
     columns, table_rows = table(results, anchors)
     return {
@@ -307,7 +409,12 @@ def compile_rows(quick: bool, only: tuple[str, ...] = ()) -> dict:
             "along each leaf's largest dimension divisible by 8, batch split, state donated; "
             f"sizes {cfg} (batch: global). temp/args: XLA's buffer assignment per GPU; the "
             "categories: buffers live at the peak of a liveness walk of the optimized HLO "
-            "(an upper estimate of temp: no buffer packing), by shape."
+            "(an upper estimate of temp: no buffer packing), by shape. roofline: "
+            "`mpjax/_src/analysis/hlo_cost.py` at H100 peaks, every kernel of the program "
+            "summed, its collectives' start/done ops counted by their bytes at HBM bandwidth "
+            "(the 'of it collectives' column; NVLink ring: the suite's ring estimate of the "
+            "collectives at 450 GB/s, not added); compile s: lowering and XLA compile of the "
+            "row on this host, loaded by other jobs."
         ),
         "seconds": round(time.time() - t0),
     }

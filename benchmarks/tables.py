@@ -157,12 +157,26 @@ def blocks_table(records):
         full.append(
             [gpu, _size(r), r["variant"], round(f["roofline_s"] * 1e3, 3), roof]
             + [round(f["temp_bytes"] / GIB, 3), share, _tflop(f["gemm_flops"])]
+            + _parts(f)
             + [", ".join(f"{k} {n}" for k, n in sorted(f["kernels_by_kind"].items()))]
         )
     s_cols = ["GPU", "size", "path", "roofline vs bf16", "block GEMMs in fp8/fp4"]
     f_cols = ["GPU", "size", "variant", "roofline ms", "vs bf16", "temp GiB"]
-    f_cols += ["block GEMMs in fp8/fp4", "GEMM TFLOP by dtype", "kernels by kind"]
+    f_cols += ["block GEMMs in fp8/fp4", "GEMM TFLOP by dtype"]
+    f_cols += [f"{p} ms (%)" for p in PARTS] + ["kernels by kind"]
     return s_cols, short, f_cols, full
+
+
+PARTS = ("low-precision gemms", "other gemms", "quantise", "transpose", "amax", "other")
+
+
+def _parts(f: dict) -> list[str]:
+    """Each part's roofline ms and share of the step (`mpjax/_src/analysis/decomposition.py`)."""
+    parts = f.get("roofline_by_part")
+    if not parts:
+        return ["-"] * len(PARTS)
+    total = sum(parts.values())
+    return [f"{parts[p] * 1e3:.2f} ({100 * parts[p] / total:.0f} %)" for p in PARTS]
 
 
 # The multi-GPU rows the performance page leads with (the full table is folded below it).
@@ -489,6 +503,46 @@ def plot_memory(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_frontier(records: list[dict], path: Path) -> None:
+    """Per-GPU memory (temp + args) against roofline step time (compute and memory kernels,
+    collectives left out) of every `memory-switches` row, hand-written and mpjax's, labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records[0]["figures"]["details"] if "roofline_s" in r]
+    fig, ax = plt.subplots(figsize=(10, 6.5))
+    labels: dict[tuple, list[str]] = {}  # points at the same place share one label
+    for hand, color, marker, label in ((True, "#c44e52", "s", "hand-written"),
+                                       (False, "#4c72b0", "o", "mpjax")):  # fmt: skip
+        mine = [r for r in rows if r["hand_written"] == hand]
+        xs = [1e3 * r.get("roofline_s_no_collectives", r["roofline_s"]) for r in mine]
+        ys = [(r["temp_bytes"] + r["argument_bytes"]) / GIB for r in mine]
+        ax.scatter(xs, ys, color=color, marker=marker, label=label, zorder=3)
+        for x, y, r in zip(xs, ys, mine, strict=True):
+            labels.setdefault((round(x, 1), round(y, 1)), []).append(
+                r["row"].removeprefix("anchor: ")
+            )
+    for (x, y), names in labels.items():
+        ax.annotate("; ".join(names), (x, y), xytext=(4, 3), textcoords="offset points",
+                    fontsize=7)  # fmt: skip
+    if labels:
+        low, high = min(x for x, _ in labels), max(x for x, _ in labels)
+        ax.set_xlim(low - 0.05 * (high - low), high + 0.45 * (high - low))
+    ax.set_xlabel("roofline step time without collectives, ms (H100 peaks)")
+    ax.set_ylabel("GiB per GPU (XLA temp + arguments)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=8)
+    cfg = records[0]["figures"].get("config", {})
+    ax.set_title(f"GPT-2-small FSDP step on 8 deviceless H100s (sizes {cfg.get('d', '?')} wide, "
+                 f"{cfg.get('layers', '?')} layers): memory against time", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # --- the pages -------------------------------------------------------------------------------
 
 
@@ -631,6 +685,7 @@ def write_docs(results_json: Path, out_dir: Path, gpu_json: Path | None = None) 
     for name, plot, table in (
         ("perf_ratios.png", plot_ratios, "cost"),
         ("memory_per_device.png", plot_memory, "memory"),
+        ("memory_frontier.png", plot_frontier, "memory-switches"),
     ):
         if records := _ok(results, table):
             plot(records, out_dir / name)

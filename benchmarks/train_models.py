@@ -239,6 +239,8 @@ class LM(nn.Module):
     head_bias: bool = True
     hidden_only: bool = False  # return the final LayerNorm's output (the head is the loss's)
     attention_fn: Any = None  # every block's attention (None: Flax's default)
+    # each block under `nn.remat`: None (no remat), "full" (recompute all), or a policy
+    remat: Any = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, padding: jax.Array) -> jax.Array:
@@ -251,13 +253,18 @@ class LM(nn.Module):
         mask = nn.combine_masks(
             nn.make_causal_mask(tokens), nn.make_attention_mask(padding, padding)
         )
-        for _ in range(self.layers):
-            x = DecoderBlock(
+        block = DecoderBlock
+        if self.remat is not None:
+            policy = None if self.remat == "full" else self.remat
+            block = nn.remat(DecoderBlock, policy=policy)
+        for i in range(self.layers):
+            x = block(
                 self.heads,
                 self.mlp,
                 **kw,
                 dot_general_cls=self.dot_general_cls,
                 attention_fn=self.attention_fn,
+                name=f"DecoderBlock_{i}",
             )(x, mask)
         x = nn.LayerNorm(**kw)(x)
         if self.hidden_only:

@@ -59,10 +59,11 @@ def switch_section(result: dict) -> str:
     """Per-GPU memory of each switch alone and all together, against both anchors; the walk's
     categories (GiB) in a folded table below."""
     cols = result["columns"]
-    short = [0, 3, 4, 5]
+    wanted = {"step", "temp + args GiB", "roofline ms"}
+    short = [i for i, c in enumerate(cols) if c in wanted or c.startswith("vs ")]
     rows = [[row[i] for i in short] for row in result["rows"]]
     text = markdown_table([cols[i] for i in short], rows) + "\n\n"
-    by_category = [0] + list(range(6, len(cols)))
+    by_category = [0] + [i for i in range(1, len(cols)) if i not in short]
     full = markdown_table(
         [cols[i] for i in by_category], [[row[i] for i in by_category] for row in result["rows"]]
     )
@@ -81,6 +82,42 @@ def _commands(command: str) -> list[str]:
 
 def _seeds(n: int) -> str:
     return "seed 0" if n == 1 else f"seeds 0-{n - 1}"
+
+
+def step_seconds(r: dict) -> float:
+    """A row's roofline without its collectives (the compute and memory kernels)."""
+    return r.get("roofline_s_no_collectives", r["roofline_s"])
+
+
+def _gib_ms(r: dict) -> tuple[float, float]:
+    return (r["temp_bytes"] + r["argument_bytes"]) / GIB, 1e3 * step_seconds(r)
+
+
+def frontier_section(result: dict) -> str:
+    """For each hand-written point: the smallest mpjax step at no more roofline time."""
+    rows = [r for r in result["details"] if not r.get("missing") and "roofline_s" in r]
+    if not rows:
+        return "(the results file has no roofline times: rerun the `memory-switches` case)\n"
+    mine = [r for r in rows if not r["hand_written"]]
+    out = []
+    for h in sorted((r for r in rows if r["hand_written"]), key=step_seconds):
+        gib, ms = _gib_ms(h)
+        fits = [r for r in mine if step_seconds(r) <= step_seconds(h)]
+        if not fits:
+            out.append([h["row"], f"{gib:.2f}", f"{ms:.2f}", "none as fast", "-", "-", "-"])
+            continue
+        best = min(fits, key=lambda r: r["temp_bytes"] + r["argument_bytes"])
+        b_gib, b_ms = _gib_ms(best)
+        row = [h["row"], f"{gib:.2f}", f"{ms:.2f}", best["row"], f"{b_gib:.2f}", f"{b_ms:.2f}"]
+        out.append([*row, f"**{b_gib / gib:.3f}**"])
+    columns = ["hand-written step", "GiB", "ms", "smallest mpjax step at <= its time", "GiB"]
+    columns += ["ms", "memory ratio"]
+    note = (
+        "GiB: per GPU, XLA's temporaries plus arguments. ms: the roofline of the compute and "
+        "memory kernels, the collectives left out (the table below gives each row's "
+        "roofline with them: `hlo_cost` counts a collective's bytes at HBM bandwidth)."
+    )
+    return markdown_table(columns, out) + "\n\n" + note + "\n"
 
 
 def char_lm_section(result: dict) -> str:
@@ -110,7 +147,8 @@ def _figures(records: list[dict], table: str) -> dict | None:
 
 
 def write_memory_switch_tables(results_path: Path, out_dir: Path) -> list[Path]:
-    """Writes `memory_where.md` and `memory_switches.md` (a note where the case is missing)."""
+    """Writes `memory_where.md`, `memory_frontier.md` and `memory_switches.md` (a note where
+    the case is missing)."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     records = (
         json.loads(Path(results_path).read_text())["records"] if Path(results_path).exists() else []
@@ -118,11 +156,13 @@ def write_memory_switch_tables(results_path: Path, out_dir: Path) -> list[Path]:
     result = _figures(records, "memory-switches")
     if result is None:
         text = "(not generated: run `python benchmarks/run.py --only memory-switches --resume`)\n"
-        return write_pages(out_dir, {"memory_where": text, "memory_switches": text})
+        names = ("memory_where", "memory_frontier", "memory_switches")
+        return write_pages(out_dir, dict.fromkeys(names, text))
     char_lm = _figures(records, "memory-switches-char-lm")
     result = {**result, "char_lm": char_lm and {**char_lm["details"]}}
     pages = {
         "memory_where": where_section(result),
+        "memory_frontier": frontier_section(result),
         "memory_switches": switch_section(result) + "\n" + char_lm_section(result),
     }
     return write_pages(out_dir, pages)

@@ -86,7 +86,9 @@ _LN2 = float(np.log(2.0))
 # (the top-level Dense) stays in bf16, as LM heads usually do.
 FP8 = "fp8"
 FP8_RECIPE = mpjax.Fp8Recipe(min_dim=16, exclude=("CharTransformer/Dense_0",))
-# The block-scaled recipes (emulated on CPU: the format's numbers, not its speed), same GEMMs.
+# The block-scaled recipes (emulated on CPU: the format's numbers, not its speed), same GEMMs;
+# NVFP4 keeps its default `high_precision_last` (the last 15 % of them, here the last block's
+# MLP, in bf16, as NVIDIA's NVFP4 recipe keeps its last layers).
 FP8_RECIPES = {
     FP8: FP8_RECIPE,
     **{

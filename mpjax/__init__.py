@@ -7,7 +7,9 @@ The public API is this module and its submodules `mpjax.policy`, `mpjax.scaling`
 
 from mpjax import fp8, inference, nn, pallas, policy, scaling
 from mpjax._src.flax import serialization as _serialization  # noqa: F401 (registers checkpoints)
+from mpjax._src.flax.remat_ladder import MEMORY_LADDER, MemoryRung
 from mpjax._src.report.build import report
+from mpjax._src.report.memory_plan import MemoryCandidate, MemoryPlan, memory_plan
 from mpjax._src.report.numerics import numerics
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
@@ -66,6 +68,10 @@ __all__ = [
     "InferenceModel",
     "LossScale",
     "LossScaledState",
+    "MEMORY_LADDER",
+    "MemoryCandidate",
+    "MemoryPlan",
+    "MemoryRung",
     "NO_DEFAULTS",
     "NoOpLossScale",
     "OpLists",
@@ -91,6 +97,7 @@ __all__ = [
     "loss_scaled",
     "low_precision_state",
     "master_params",
+    "memory_plan",
     "nn",
     "nonfinite_report",
     "numerics",

@@ -3,11 +3,7 @@ fp8 saved activations (`Policy.saved_activations`)."""
 
 from mpjax._src.autocast.fp8_report import Fp8Op, fp8_ops
 from mpjax._src.flax.fp8_nnx import Fp8Meta, update_nnx_fp8_meta
-from mpjax._src.fp8.block_dot import (
-    block_scaled_dot_general,
-    native_block_gemms,
-    random_hadamard,
-)
+from mpjax._src.fp8.block_dot import block_scaled_dot_general, native_block_gemms
 from mpjax._src.fp8.blocks import (
     BLOCK_SCALINGS,
     BlockQuantized,
@@ -18,8 +14,16 @@ from mpjax._src.fp8.blocks import (
 from mpjax._src.fp8.conv import fp8_conv_1x1
 from mpjax._src.fp8.delayed import FP8_META, delayed_fp8_dot_general, init_fp8_meta, update_fp8_meta
 from mpjax._src.fp8.dot import fp8_dot_general, fp8_eligible
+from mpjax._src.fp8.hadamard import random_hadamard
+from mpjax._src.fp8.orientations import OrientedBlocks, quantize_orientations
 from mpjax._src.fp8.quant import amax, compute_scale, dequantize, fp8_max, quantize
-from mpjax._src.fp8.recipe import FP8_DTYPES, Fp8Recipe, Fp8Site
+from mpjax._src.fp8.recipe import (
+    FP8_DTYPES,
+    NVFP4_HIGH_PRECISION_FIRST,
+    NVFP4_HIGH_PRECISION_LAST,
+    Fp8Recipe,
+    Fp8Site,
+)
 from mpjax._src.fp8.saved import (
     SAVED_FP8_NAME,
     fp8_saved_conv,
@@ -37,6 +41,9 @@ __all__ = [
     "Fp8Op",
     "Fp8Recipe",
     "Fp8Site",
+    "NVFP4_HIGH_PRECISION_FIRST",
+    "NVFP4_HIGH_PRECISION_LAST",
+    "OrientedBlocks",
     "SAVED_FP8_NAME",
     "amax",
     "block_scaled_dot_general",
@@ -56,6 +63,7 @@ __all__ = [
     "native_block_gemms",
     "quantize",
     "quantize_blocks",
+    "quantize_orientations",
     "random_hadamard",
     "saved_activations_policy",
     "saved_in_fp8",

@@ -156,7 +156,8 @@ def test_memory_guide_switch_tables_read_in_words(tmp_path):
         },
     ]
     (tmp_path / "results.json").write_text(json.dumps({"records": records}))
-    _, path = write_memory_switch_tables(tmp_path / "results.json", tmp_path / "out")
+    paths = write_memory_switch_tables(tmp_path / "results.json", tmp_path / "out")
+    (path,) = [p for p in paths if p.name == "memory_switches.md"]
     text = path.read_text()
     assert "12 layers, width 768, vocabulary 50304" in text and "{'layers'" not in text
     assert "1 seeds" not in text and "seed 0" in text and "[" not in text

@@ -69,7 +69,10 @@ def step_gemms(
     if placed == "mesh":
         mesh = jax.sharding.Mesh(np.array([device]), ("x",))
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering=lowering, min_dim=64)
+    # every dense GEMM in the format (NVFP4 would keep the head, its last GEMM, in bf16)
+    recipe = mpjax.Fp8Recipe(
+        scaling=scaling, block_lowering=lowering, min_dim=64, high_precision_last=0
+    )
     loss = mpjax.autocast(lm_loss, "params=float32,compute=bfloat16,output=float32", fp8=recipe)
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for k, s in SHAPES.items()}
     tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding)

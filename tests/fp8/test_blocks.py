@@ -274,3 +274,17 @@ def test_is_a_pytree_that_survives_jit():
 def test_bad_input_names_the_culprit(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("scaling", ["mxfp8", "nvfp4", "blockwise"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_nan_in_a_block_makes_its_scale_nan_along_either_axis_under_jit(scaling, axis):
+    # XLA:CPU's vectorised column reductions can drop a NaN from a max: the block's scale
+    # must still be NaN (its elements dequantise to NaN), never a finite scale
+    x = jnp.ones((256, 256)).at[159, 198].set(jnp.nan)
+    q = jax.jit(lambda x: quantize_blocks(x, scaling, axis=axis))(x)
+    out = np.asarray(dequantize_blocks(q))
+    assert np.isnan(out[159, 198])
+    blocks = block_shape(scaling, 2, axis)
+    i, j = 159 // blocks[0], 198 // blocks[1]
+    assert np.isnan(np.asarray(q.scales.astype(jnp.float32))[i, j])

@@ -89,11 +89,12 @@ def test_saturates_never_inf(dtype, top):
     assert fp8_max(dtype) == top
 
 
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("dtype", [E4, E5])
 @pytest.mark.parametrize("where", [0, 50, 99])
-def test_nan_propagates(dtype, where):
+def test_nan_propagates(dtype, where, jit):
     x = jnp.asarray(wide_range(np.random.default_rng(2), (100,))).at[where].set(jnp.nan)
-    a = amax(x)
+    a = (jax.jit(amax) if jit else amax)(x)  # XLA:CPU's jitted max alone drops the NaN
     assert np.isnan(float(a))
     scale = compute_scale(a, dtype, power_of_two=True)
     q = np.asarray(quantize(x, scale, dtype), np.float32)
@@ -126,6 +127,15 @@ def test_margin_and_power_of_two():
     assert float(compute_scale(a, E4, margin=2.0)) == pytest.approx(448 / 3 / 4, rel=1e-6)
     s = float(compute_scale(a, E4, power_of_two=True))
     assert s == 128.0  # largest power of two <= 448/3 = 149.3
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_a_nan_reaches_the_amax_of_its_rows_under_jit(axis):
+    x = jnp.ones((256, 256)).at[159, 198].set(jnp.nan)
+    a = np.asarray(jax.jit(lambda x: amax(x, axis))(x))
+    want = np.max(np.abs(np.asarray(x)), axis=axis, keepdims=axis is not None)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(want))
+    assert np.isnan(a).any()
 
 
 def test_rowwise_scales_per_row():

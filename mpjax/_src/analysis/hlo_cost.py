@@ -119,6 +119,8 @@ class Kernel(NamedTuple):
     time_s: float
     only_converts: bool  # moves data and converts dtypes, nothing else
     op_name: str = ""  # the launching instruction's `metadata={op_name=...}` (JAX's name stack)
+    results: tuple = ()  # the dtypes it writes (HLO names)
+    features: frozenset = frozenset()  # "transpose" / "reduce-max" when it runs one
 
 
 class Gemm(NamedTuple):
@@ -295,9 +297,21 @@ def _count_convert(comp: dict, instr: Instr, acc: dict, prefix: str, launcher: s
         acc["converts_by_op"][name or prefix] += 1
 
 
+def _features(comps: dict, instr: Instr) -> set:
+    """What a kernel's instruction does that the decomposition names: a transpose (or a
+    layout-changing copy), a max reduction."""
+    if instr.opcode == "transpose":
+        return {"transpose"}
+    if instr.opcode == "reduce":
+        body = comps.get((attr(instr.attrs, "to_apply") or "").lstrip("%"), {})
+        return {"reduce-max"} if any(i.opcode == "maximum" for i in body.values()) else set()
+    return set()
+
+
 def _fused_costs(comps: dict, comp_name: str, acc: dict, prefix: str = "", launcher="") -> None:
     comp = comps.get(comp_name, {})
     for instr in comp.values():
+        acc["features"] |= _features(comps, instr)
         _count_convert(comp, instr, acc, prefix, launcher)
         if instr.opcode in ("dot", "convolution", "custom-call"):
             _matmul_flops(comp, instr, acc, prefix)
@@ -322,6 +336,7 @@ def _new_acc() -> dict:
         "compute": 0,
         "records": [],
         "converts_by_op": Counter(),
+        "features": set(),
     }
 
 
@@ -414,6 +429,7 @@ def _walk(
             launcher = _prefixed(prefix, f'op_name="{source}"') if source else prefix
             _fused_costs(comps, attr(instr.attrs, "calls").lstrip("%"), acc, prefix, launcher)
         else:
+            acc["features"] |= _features(comps, instr)
             _count_convert(comp, instr, acc, prefix)
             if instr.opcode in ("dot", "convolution", "custom-call"):
                 _matmul_flops(comp, instr, acc, prefix)
@@ -445,6 +461,8 @@ def _walk(
                 _kernel_time(acc, nbytes),
                 acc["converts"] > 0 and acc["compute"] == 0,
                 _kernel_name(comp, instr, acc, prefix),
+                tuple(dtype for dtype, _ in instr.shapes),
+                frozenset(acc["features"]),
             )
         )
 

@@ -45,6 +45,7 @@ from mpjax._src.autocast.fp8_hook import (
     fp8_lower,
     requantised_lhs,
 )
+from mpjax._src.autocast.fp8_last import KEPT_SCOPE, kept_last
 from mpjax._src.autocast.op_decisions import (
     FULL_DTYPE,
     OPAQUE,
@@ -183,6 +184,11 @@ def _eval_jaxpr(
     return [r[0] for r in results], [r[1] for r in results]
 
 
+def _lower(lists: OpLists, eqn) -> bool:
+    """Whether the op lists run `eqn` in the compute dtype (an fp8 GEMM's precondition)."""
+    return lists.category(eqn.primitive.name, eqn.params) == "lower"
+
+
 def _wide(dtype: Any) -> bool:
     """Whether `dtype` is a floating dtype wider than float32 (float64: never autocast)."""
     return is_float(dtype) and widest([dtype, FULL_DTYPE]) != FULL_DTYPE
@@ -230,17 +236,21 @@ def _first_order(
         return [out], [out_origin]
 
     if category == "lower":
-        fp8_outs = None if ctx.fp8 is None else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
+        kept = id(eqn) in ctx.fp8_kept  # Fp8Recipe.high_precision_last: named for the report
+        fp8_outs = (
+            None if ctx.fp8 is None or kept else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
+        )
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)
         reduce = reduced_operands(ctx, name, vals, origins)
         vals = [cast_in(i, ctx.compute) if i in floats else v for i, v in enumerate(vals)]
         which = None if saved is None else saved()
-        if which is not None:  # fp8 saved activations (Policy.saved_activations)
-            lower = functools.partial(lower_precision_op, ctx, prim, params, reduce=reduce)
-            outs = lower_saved(lower, eqn, vals, which, ctx.saved)
-        else:
-            outs = lower_precision_op(ctx, prim, params, vals, reduce)
+        with jax.named_scope(KEPT_SCOPE) if kept else contextlib.nullcontext():
+            if which is not None:  # fp8 saved activations (Policy.saved_activations)
+                lower = functools.partial(lower_precision_op, ctx, prim, params, reduce=reduce)
+                outs = lower_saved(lower, eqn, vals, which, ctx.saved)
+            else:
+                outs = lower_precision_op(ctx, prim, params, vals, reduce)
         return outs, [LOW] * len(outs)
     if category == "fp32":
         dtypes = [dtype_of(vals[i]) for i in (strong or floats)]
@@ -441,8 +451,10 @@ def autocast(
         # Inside another autocast's trace, this region's equations are marked so that the
         # outer rewrite keeps their dtypes (the innermost region's policy wins).
         region = jax.named_scope(REGION_SCOPE) if nested else contextlib.nullcontext()
+        lower = functools.partial(_lower, lists)
+        run = ctx._replace(fp8_kept=frozenset(kept_last(ctx.fp8, closed.jaxpr, lower)))
         with region:
-            outs, _ = _eval_jaxpr(ctx, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
+            outs, _ = _eval_jaxpr(run, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
             outs = [
                 o if keep_wide and _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs
             ]

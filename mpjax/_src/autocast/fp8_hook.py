@@ -99,7 +99,8 @@ def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
     def candidate(eqn):
         if ctx.lists.category(eqn.primitive.name, eqn.params) != "lower":
             return False
-        if ctx.fp8 is not None and fp8_candidate(ctx.fp8, eqn):
+        kept = id(eqn) in getattr(ctx, "fp8_kept", ())  # Fp8Recipe.high_precision_last
+        if ctx.fp8 is not None and not kept and fp8_candidate(ctx.fp8, eqn):
             return True
         return saved is not None and eqn.primitive.name == "dot_general" and saved_candidate(eqn)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
+from mpjax._src.autocast.fp8_last import OWN_RULES, kept_last
 from mpjax._src.fp8.block_dot import native_block_gemms
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.choose import COMPUTE, choose_gemm_format, recipe_for_format
@@ -17,9 +18,6 @@ from mpjax._src.fp8.conv import conv_gemm_site, gemm_reason
 from mpjax._src.fp8.recipe import Fp8Recipe, Fp8Site
 
 __all__ = ["Fp8Op", "fp8_ops"]
-
-# autocast binds these as traced (their own rules), so nothing inside them turns fp8.
-_OWN_RULES = ("custom_vjp_call",)
 
 
 class Fp8Op(NamedTuple):
@@ -73,7 +71,7 @@ def _chosen(recipe: Fp8Recipe, site: Fp8Site, compute, operands) -> tuple[str, s
     return "", lowering, choice.reason
 
 
-def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute) -> None:
+def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute, kept: dict) -> None:
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         if prim in ("dot_general", "conv_general_dilated"):
@@ -88,14 +86,15 @@ def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute) -> None:
             else:  # a 1x1 conv's GEMM site (None when it is not one)
                 site, why = conv_gemm_site(recipe, name, lhs, rhs, eqn.params)
                 reason = why or ""
+            reason = kept.get(id(eqn), reason)  # Fp8Recipe.high_precision_last
             operands = tuple(v.aval for v in eqn.invars[:2])
             lowering, choice = _lowering(recipe, reason, operands), ""
             if not reason and recipe.choose == "roofline":
                 reason, lowering, choice = _chosen(recipe, site, compute, operands)
             found.append(Fp8Op(name, prim, lhs, rhs, not reason, reason, lowering, choice))
-        if prim not in _OWN_RULES:
+        if prim not in OWN_RULES:
             for sub in jaxprs_in_params(eqn.params):
-                _walk(sub, recipe, found, compute)
+                _walk(sub, recipe, found, compute, kept)
 
 
 def fp8_ops(
@@ -105,7 +104,8 @@ def fp8_ops(
 
     What `autocast(fun, policy, fp8=recipe)` (default `OpLists`) does with each op of the
     forward function: an fp8 GEMM, or the compute dtype and why (batched, too small,
-    excluded, or a convolution other than 1x1; see `Fp8Recipe.convs`). Ops inside
+    excluded, one of the last GEMMs `Fp8Recipe.high_precision_last` keeps, or a convolution
+    other than 1x1; see `Fp8Recipe.convs`). Ops inside
     `custom_vjp` functions are not listed: autocast binds those as traced. The backward
     pass follows the forward: an fp8 op's two gradient GEMMs are fp8 too.
 
@@ -129,5 +129,6 @@ def fp8_ops(
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"fp8_ops: recipe must be an mpjax Fp8Recipe, got {type(recipe).__name__}")
     found: list[Fp8Op] = []
-    _walk(jax.make_jaxpr(fun)(*args).jaxpr, recipe, found, np.dtype(compute_dtype))
+    jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
+    _walk(jaxpr, recipe, found, np.dtype(compute_dtype), kept_last(recipe, jaxpr))
     return found

@@ -92,7 +92,8 @@ OPAQUE = frozenset(
 
 class AutocastContext(NamedTuple):
     """What one autocast call rewrites with: dtypes, op lists, fp8 recipe, reduce dtype, and
-    the fp8 format of saved GEMM inputs (`Policy.saved_activations`)."""
+    the fp8 format of saved GEMM inputs (`Policy.saved_activations`), and the ids of the GEMM
+    equations `Fp8Recipe.high_precision_last` keeps in the compute dtype."""
 
     compute: np.dtype
     accum: np.dtype | None
@@ -100,6 +101,7 @@ class AutocastContext(NamedTuple):
     fp8: Fp8Recipe | None = None
     reduce: np.dtype | None = None
     saved: np.dtype | None = None
+    fp8_kept: frozenset = frozenset()
 
 
 def size_of(x: Any) -> int:

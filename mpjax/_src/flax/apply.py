@@ -53,7 +53,9 @@ def apply_policy(
         keeps the state in the `"fp8_meta"` collection (see `mpjax.fp8.update_fp8_meta`);
         NNX in `mpjax.fp8.Fp8Meta` variables, created here (see
         `mpjax.fp8.update_nnx_fp8_meta`). `nn.Einsum` / `nnx.Einsum` stay in the compute
-        dtype.
+        dtype. A recipe that sets `high_precision_last`/`high_precision_first` above 0 is
+        refused (module by module the last GEMMs are unknown); NVFP4's default rule is not
+        applied here: `exclude=` the last layers by name instead.
       fp8_axis_name: the pmap/shard_map axis name the amaxes are reduced over (`pmax`),
         so every replica uses the same scale; under jit with sharded (global) arrays
         the amaxes are global already. Delayed scaling only.
@@ -68,8 +70,8 @@ def apply_policy(
         matches no module, naming it and listing the module paths (NNX: here; linen: at the
         first `init`/`apply`, when the module tree is known); at call time,
         a module matched by two rules of the same kind, naming both; `fp8_axis_name`
-        with a stateless recipe, or a Dense/Linear with its own
-        `dot_general` that no `exclude` pattern excludes.
+        with a stateless recipe, an `fp8` recipe that sets `high_precision_last` or `_first`,
+        or a Dense/Linear with its own `dot_general` that no `exclude` pattern excludes.
 
     Example:
       >>> import flax.linen as nn

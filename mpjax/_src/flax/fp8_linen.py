@@ -44,7 +44,14 @@ class DelayedFp8(NamedTuple):
 
 
 def check_policy_fp8(fp8: Any, axis_name: Any) -> DelayedFp8 | None:
-    """Validates `apply_policy`'s `fp8` / `fp8_axis_name` arguments."""
+    """Validates `apply_policy`'s `fp8` / `fp8_axis_name` arguments.
+
+    Refuses a recipe that asks explicitly to keep the program's last or first GEMMs
+    (`high_precision_last`/`high_precision_first` set above 0): module by module, which GEMMs
+    are last is unknown. NVFP4's default rule (`high_precision_last=None`) is not applied
+    here (every covered GEMM runs in NVFP4, as before the rule existed): `exclude=` the
+    last layers by name for NVIDIA's recipe.
+    """
     if fp8 is None:
         if axis_name is not None:
             raise ValueError("apply_policy: fp8_axis_name is given but fp8 is None")
@@ -55,6 +62,18 @@ def check_policy_fp8(fp8: Any, axis_name: Any) -> DelayedFp8 | None:
         raise ValueError(
             f"apply_policy: fp8_axis_name={axis_name!r} reduces delayed scaling's amaxes; "
             f"scaling={fp8.scaling!r} keeps no state, so drop fp8_axis_name"
+        )
+    explicit_last = fp8.high_precision_last is not None and fp8.high_precision_rule
+    if explicit_last or fp8.high_precision_first_rule:
+        said = "this recipe's"
+        raise ValueError(
+            f"apply_policy: Fp8Recipe(scaling={fp8.scaling!r}) keeps the program's last (or "
+            f"first) GEMMs in the compute dtype (high_precision_last: {said}, "
+            f"high_precision_first: {fp8.high_precision_first_rule}), and apply_policy, which "
+            "sees one module at a time, cannot tell which GEMMs are last; pass "
+            "high_precision_last=0, high_precision_first=0 and exclude= those layers by name "
+            "(e.g. exclude=('*/head', '*/block_11/*')), or use mpjax.autocast, which applies "
+            "the rule"
         )
     return DelayedFp8(fp8, axis_name)
 

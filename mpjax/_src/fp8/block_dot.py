@@ -36,50 +36,21 @@ from mpjax._src.fp8.blocks import (
     BLOCK_SCALINGS,
     BlockQuantized,
     dequantize_blocks,
-    quantize_blocks,
 )
+from mpjax._src.fp8.orientations import quantize_orientations
 from mpjax._src.fp8.recipe import Fp8Recipe
 from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm
 
-__all__ = ["block_scaled_dot_general", "native_block_gemms", "random_hadamard"]
+__all__ = ["block_scaled_dot_general", "gradient_seed", "native_block_gemms"]
 
 _F32 = jnp.float32
-_RHT = 16
 
 
-def random_hadamard(x: jax.Array, axis: int, seed: int = 0) -> jax.Array:
-    """`x` times an orthogonal 16x16 random Hadamard matrix along `axis` (zero-padded to 16).
-
-    `T = H16 @ diag(signs) / 4` with Sylvester's `H16` and fixed random signs, applied to
-    each run of 16 consecutive elements along `axis`. `T` is orthogonal, so
-    `(T x)^T (T g) = x^T g`: a GEMM contracting `axis` is unchanged, while outliers are
-    spread across their run before quantisation (NVIDIA's NVFP4 weight-gradient recipe).
-
-    Args:
-      x: a floating array.
-      axis: the axis transformed (the contraction axis of the GEMM that follows).
-      seed: the random signs' seed (both GEMM operands must use the same).
-
-    Returns:
-      The transformed array in float32, `axis` padded to a multiple of 16.
-    """
-    h = np.array([[1.0]])
-    while h.shape[0] < _RHT:
-        h = np.block([[h, h], [h, -h]])
-    signs = np.where(np.random.default_rng(seed).random(_RHT) < 0.5, -1.0, 1.0)
-    t = jnp.asarray(h * signs / np.sqrt(_RHT), _F32)
-    x = jnp.moveaxis(x.astype(_F32), axis, -1)
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -n % _RHT)])
-    runs = x.reshape(*x.shape[:-1], -1, _RHT)
-    out = jnp.einsum("...r,sr->...s", runs, t).reshape(x.shape)
-    return jnp.moveaxis(out, -1, axis)
-
-
-def _gradient_key(g: jax.Array) -> jax.Array:
-    """A PRNG key from the bits of `g` (stochastic rounding without threading a key)."""
+def gradient_seed(g: jax.Array) -> jax.Array:
+    """The uint32 seed of a gradient's stochastic rounding, from the bits of its sum (no key
+    to thread; deterministic for a given gradient)."""
     bits = lax.bitcast_convert_type(jnp.sum(g.astype(_F32)), jnp.uint32)
-    return jax.random.fold_in(jax.random.key(0x5EED), bits)
+    return bits ^ jnp.uint32(0x5EED)
 
 
 # CUDA compute capability by device kind, for a target with no device to ask (a deviceless
@@ -212,15 +183,8 @@ def _rows_scales(bq) -> jax.Array:
     return jnp.repeat(bq.scales, bq.block[0], axis=0)[:rows]
 
 
-def _gemm(recipe, a, b, roles, native, compute, keys=(None, None)):
-    """`a @ b.T` for 2-D `[M, K]`, `[N, K]` operands, each quantised along K (or given as a
-    `BlockQuantized` quantised so already)."""
-    qa, qb = (
-        x
-        if isinstance(x, BlockQuantized)
-        else quantize_blocks(x, recipe, axis=1, role=role, key=key)
-        for x, role, key in zip((a, b), roles, keys, strict=True)
-    )
+def _gemm(recipe, qa: BlockQuantized, qb: BlockQuantized, native, compute):
+    """`a @ b.T` for 2-D `[M, K]`, `[N, K]` operands, each block-quantised along K."""
     if not native:
         da, db = dequantize_blocks(qa, compute), dequantize_blocks(qb, compute)
         # out in the compute dtype (float32 accumulation on GPUs): XLA:CPU has no bf16 x bf16
@@ -328,61 +292,63 @@ def block_scaled_dot_general(
     w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"
     a_shape, a_dtype, a_sharding = lhs.shape, lhs.dtype, _sharding(lhs)
+    b_shape, b_dtype = rhs.shape, rhs.dtype
 
     def forward(a_in, b_in):
         a, b = _replicated(a_in), _replicated(b_in)
-        out = _gemm(
-            recipe, _as_rows(a, lc), _as_rows(b, rc), ("activation", w_role), native, compute
+        # each operand quantised once, in both orientations its GEMMs read: the columns copy
+        # of `a` ([K, M] along the tokens) is the weight gradient's, kept for the backward in
+        # place of `a`; the rows copy of `b` ([K, N] along N) is the input gradient's
+        qa = quantize_orientations(
+            _as_rows(a, lc), recipe, columns=a_sharding is None, column_hadamard=nvfp4
         )
+        qb = quantize_orientations(_contracted_rows(b, rc), recipe, role=w_role)
+        out = _gemm(recipe, qa.rows, qb.columns, native, compute)
         a_free = [a.shape[i] for i in range(a.ndim) if i not in lc]
         b_free = [b.shape[i] for i in range(b.ndim) if i not in rc]
         out = out.reshape(a_free + b_free).astype(compute)
-        # over Explicit axes `a` is kept as it came (sharded): its copy would be whole here
-        kept = a_in if a_sharding is not None else _weight_gradient_copy(recipe, a, lc)
-        return _like(out, _plain_product(a_in, b_in, (lc, rc), compute)), (kept, b_in)
+        # over Explicit axes the operands are kept as they came (sharded): copies are whole
+        kept_a = a_in if a_sharding is not None else qa.columns
+        kept_b = b_in if _sharding(b_in) is not None else qb.rows
+        return _like(out, _plain_product(a_in, b_in, (lc, rc), compute)), (kept_a, kept_b)
 
     def backward(saved, g):
-        kept, b_in = saved
-        if not isinstance(kept, BlockQuantized):
-            kept = _weight_gradient_copy(recipe, _replicated(kept), lc)
-        b, g = _replicated(b_in), _replicated(g)
+        kept_a, kept_b = saved
+        # the weight itself where it is sharded (its gradient takes its sharding)
+        b_in = None if isinstance(kept_b, BlockQuantized) else kept_b
+        if not isinstance(kept_a, BlockQuantized):
+            a_mk = _as_rows(_replicated(kept_a), lc)
+            kept_a = quantize_orientations(a_mk, recipe, rows=False, column_hadamard=nvfp4).columns
+        if not isinstance(kept_b, BlockQuantized):
+            b_kn = _contracted_rows(_replicated(kept_b), rc)
+            kept_b = quantize_orientations(b_kn, recipe, role=w_role, columns=False).rows
+        g = _replicated(g)
         na = len(a_shape) - len(lc)
         g_rows = g.reshape(int(np.prod(g.shape[:na])), -1)  # [M, N]
-        # input gradient: g [M, N] . (w as [K, N])^T, both quantised along N
-        # K flattened in the forward's pairing order (rc's / lc's order, not sorted)
-        b_kn = _contracted_rows(b, rc)  # [K, N]
-        da = _gemm(recipe, g_rows, b_kn, ("gradient", w_role), native, compute)
+        # g once: rows along N (input gradient), columns along the tokens (weight gradient;
+        # NVFP4: Hadamard-rotated along the tokens, rounded stochastically)
+        qg = quantize_orientations(
+            g_rows,
+            recipe,
+            role="gradient",
+            column_hadamard=nvfp4,
+            column_seed=gradient_seed(g) if nvfp4 else None,
+        )
+        # input gradient: g [M, N] . (w as [K, N])^T, both along N
+        da = _gemm(recipe, qg.rows, kept_b, native, compute)  # [M, K]
         a_free = [i for i in range(len(a_shape)) if i not in lc]
         da = da.reshape([a_shape[i] for i in a_free] + [a_shape[i] for i in lc])
         da = jnp.transpose(da, np.argsort(a_free + list(lc)))
-        # weight gradient: (w free) x (w contracted): g^T [N, M] . (a as [K, M])^T along M,
-        # `a`'s side quantised in the forward (`_weight_gradient_copy`)
-        g_nm, key = g_rows.T, None
-        if nvfp4:  # Hadamard-rotate along the tokens; round the gradient stochastically
-            key = _gradient_key(g)
-            g_nm = random_hadamard(g_nm, 1)
-        db = _gemm(recipe, g_nm, kept, ("gradient", "activation"), native, compute, (key, None))
-        b_free = [i for i in range(b.ndim) if i not in rc]
-        db = db.reshape([b.shape[i] for i in b_free] + [b.shape[i] for i in rc])
-        db = jnp.transpose(db, np.argsort(b_free + list(rc)))
+        # weight gradient: (a as [K, M]) . (g as [N, M])^T along the tokens -> [K, N], the
+        # weight's contracted-first layout (no transpose for a [K, N] kernel)
+        db = _gemm(recipe, kept_a, qg.columns, native, compute)
+        b_free = [i for i in range(len(b_shape)) if i not in rc]
+        db = db.reshape([b_shape[i] for i in rc] + [b_shape[i] for i in b_free])
+        db = jnp.transpose(db, np.argsort(list(rc) + b_free))
         da = da.astype(a_dtype)
         da = da if a_sharding is None else jax.sharding.reshard(da, a_sharding)
-        return da, _like(db.astype(b.dtype), b_in)
+        return da, _like(db.astype(b_dtype), b_in)
 
     op = jax.custom_vjp(lambda a, b: forward(a, b)[0])
     op.defvjp(forward, backward)
     return op(lhs, rhs)
-
-
-def _weight_gradient_copy(recipe: Fp8Recipe, a: jax.Array, contract: tuple[int, ...]) -> Any:
-    """The weight gradient's operand made from the activation `a` in the forward: `a` as
-    `[K, M]` (Hadamard-rotated along the tokens for NVFP4), block-quantised along the tokens.
-
-    It is what the backward would quantise, so the gradients are the same bits; kept as the
-    GEMM's residual in place of `a` itself, it is 1 byte an element (NVFP4: half) with its
-    scales where `a` was 2 (bfloat16) or 4.
-    """
-    a_km = _contracted_rows(a, contract)
-    if recipe.scaling == "nvfp4":
-        a_km = random_hadamard(a_km, 1)
-    return quantize_blocks(a_km, recipe, axis=1, role="activation")

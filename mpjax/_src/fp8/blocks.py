@@ -140,6 +140,13 @@ def _scaling_of(recipe: Any) -> tuple[str, bool]:
     return scaling, bool(getattr(recipe, "power_of_two_scale", None))
 
 
+def _magnitude(xf: jax.Array) -> jax.Array:
+    """`|x|` with NaN as inf: a max reduction keeps an inf, while XLA:CPU's vectorised
+    column reductions can drop a NaN (a NaN block would get a finite scale)."""
+    a = jnp.abs(xf)
+    return jnp.where(jnp.isnan(a), jnp.inf, a)
+
+
 def _reduce_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
     """Max over each block of `x` (zero-padded to whole blocks): the blocks' amax."""
     pad = [(0, -n % b) for n, b in zip(x.shape, block, strict=True)]
@@ -180,6 +187,7 @@ def _e8m0(k: jax.Array, bad: jax.Array) -> jax.Array:
 def _quantize_mxfp8(xf, amax_b, block):
     bad = ~jnp.isfinite(amax_b)
     k = jnp.where(amax_b == 0, -127, _pow2_at_least(amax_b, _E4M3_MAX)).clip(-127, 127)
+    k = jnp.where(bad, 0, k)  # a NaN-scaled block's elements: x saturated (defined bits)
     inverse = _expand_blocks(_exp2(-k), block, xf.shape)  # 2**-k: normal for k >= -126
     data = jnp.clip(xf * inverse, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
     return data, _e8m0(k, bad), None
@@ -201,19 +209,45 @@ def _quantize_blockwise(xf, amax_b, block, power_of_two):
     return data, scales, None
 
 
-def _round_e2m1(v: jax.Array, key: jax.Array | None) -> jax.Array:
-    """`v` (|v| <= 6) to float4_e2m1fn: nearest even, or stochastic (unbiased) with `key`."""
-    if key is None:
+def hash_uniform(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """Uniform floats in [0, 1) from a uint32 `seed` and uint32 element indices: a counter
+    hash (Wellons' lowbias32 of `index * golden + seed`), cheap in XLA and in a kernel."""
+    x = index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seed.astype(jnp.uint32)
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    return (x >> 8).astype(_F32) * _F32(2.0**-24)
+
+
+def key_seed(key: jax.Array) -> jax.Array:
+    """The uint32 seed of stochastic rounding drawn from a PRNG `key`."""
+    return jax.random.bits(key, (), jnp.uint32)
+
+
+def row_major_index(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's row-major linear index in an array of `shape`, as uint32 (wrapping)."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride)
+        stride = (stride * shape[d]) % 2**32
+    return index
+
+
+def _round_e2m1(v: jax.Array, uniform: jax.Array | None) -> jax.Array:
+    """`v` (|v| <= 6) to float4_e2m1fn: nearest even, or stochastic (unbiased) given
+    `uniform`, a [0, 1) draw per element."""
+    if uniform is None:
         return v.astype(jnp.float4_e2m1fn)
     a = jnp.abs(v)
     ulp = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(_F32)
     low = jnp.floor(a / ulp) * ulp
-    up = jax.random.uniform(key, v.shape, _F32) < (a - low) / ulp
+    up = uniform < (a - low) / ulp
     return (jnp.sign(v) * jnp.minimum(low + ulp * up, _E2M1_MAX)).astype(jnp.float4_e2m1fn)
 
 
-def _quantize_nvfp4(xf, amax_b, block, key):
-    amax_t = jnp.max(jnp.abs(xf))
+def _quantize_nvfp4(xf, amax_b, block, uniform):
+    amax_t = jnp.max(_magnitude(xf))
     # 2688 / amax overflows for amax below ~8e-36, and its reciprocal flushes to zero below
     # ~6e-35: at most 2**125 (block scales below amax_t / 2**20 then shrink, as they do)
     t = jnp.minimum(_F32(_E4M3_MAX * _E2M1_MAX) / amax_t, _F32(_TENSOR_SCALE_MAX))
@@ -230,7 +264,7 @@ def _quantize_nvfp4(xf, amax_b, block, key):
     ratio = tensor_scale / block_scale  # overflows for a huge t over a small block scale
     v = jnp.where(jnp.isinf(ratio), xf * tensor_scale / block_scale, xf * ratio)
     v = jnp.where(block_scale == 0, 0.0, jnp.clip(v, -_E2M1_MAX, _E2M1_MAX))
-    return _round_e2m1(v, key), scales, tensor_scale
+    return _round_e2m1(v, uniform), scales, tensor_scale
 
 
 def quantize_blocks(
@@ -249,8 +283,9 @@ def quantize_blocks(
         `power_of_two_scale=True` rounds blockwise scales up to powers of two.
       axis: the contraction axis, along which blocks run.
       role: `"activation"`, `"weight"` (2-D blocks for NVFP4 and blockwise) or `"gradient"`.
-      key: a PRNG key: round NVFP4 elements stochastically (unbiased); None rounds to
-        nearest even. MXFP8 and blockwise always round to nearest even.
+      key: a PRNG key: round NVFP4 elements stochastically (unbiased; the draws are a
+        counter hash of the key's bits and each element's index); None rounds to nearest
+        even. MXFP8 and blockwise always round to nearest even.
 
     Returns:
       A `BlockQuantized`; `dequantize_blocks` maps it back to float32.
@@ -277,14 +312,37 @@ def quantize_blocks(
         )
     _check_axis(axis, "quantize_blocks")
     block = block_shape(scaling, x.ndim, axis, role)
+    uniform = None if key is None else hash_uniform(key_seed(key), row_major_index(x.shape))
+    return quantize_with_blocks(x, scaling, block, power_of_two, uniform)
+
+
+def quantize_with_blocks(
+    x: jax.Array,
+    scaling: str,
+    block: tuple[int, ...],
+    power_of_two: bool = False,
+    uniform: jax.Array | None = None,
+) -> BlockQuantized:
+    """`quantize_blocks` given the block sizes (and NVFP4's stochastic draws) explicitly.
+
+    Args:
+      x: a floating array.
+      scaling: one of `BLOCK_SCALINGS`.
+      block: the block size along each axis of `x`.
+      power_of_two: blockwise scales rounded up to powers of two.
+      uniform: None (round to nearest even) or, for NVFP4, a [0, 1) draw per element of `x`.
+
+    Returns:
+      A `BlockQuantized`.
+    """
     xf = x.astype(_F32)
-    amax_b = _reduce_blocks(jnp.abs(xf), block)
+    amax_b = _reduce_blocks(_magnitude(xf), block)
     if scaling == "mxfp8":
         parts = _quantize_mxfp8(xf, amax_b, block)
     elif scaling == "blockwise":
         parts = _quantize_blockwise(xf, amax_b, block, power_of_two)
     else:
-        parts = _quantize_nvfp4(xf, amax_b, block, key)
+        parts = _quantize_nvfp4(xf, amax_b, block, uniform)
     return BlockQuantized(*parts, block=block)
 
 
@@ -300,7 +358,9 @@ def dequantize_blocks(bq: BlockQuantized, dtype: Any = _F32) -> jax.Array:
     """
     if not isinstance(bq, BlockQuantized):
         raise TypeError(f"dequantize_blocks: expected a BlockQuantized, got {type(bq).__name__}")
-    data = bq.data.astype(_F32)
+    # XLA:GPU drops a float32 -> 8/4-bit -> float32 round trip (excess precision): the
+    # barrier keeps the rounding, so emulated GEMMs compute the format's numbers on a GPU too
+    data = jax.lax.optimization_barrier(bq.data).astype(_F32)
     if bq.scales.dtype == jnp.float8_e8m0fnu:
         out = _times_e8m0(data, bq.scales, bq.block)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,7 +34,10 @@ def amax(x: jnp.ndarray, axis: int | Sequence[int] | None = None) -> jnp.ndarray
       A float32 array with the reduced axes kept as size 1 (a scalar for `axis=None`).
     """
     keep = axis is not None
-    return jnp.max(jnp.abs(x.astype(_F32)), axis=axis, keepdims=keep)
+    a = jnp.abs(x.astype(_F32))
+    top = jnp.max(a, axis=axis, keepdims=keep)
+    # XLA:CPU's jitted max can drop a NaN: propagate it explicitly (the same fusion on GPUs)
+    return jnp.where(jnp.any(jnp.isnan(a), axis=axis, keepdims=keep), jnp.nan, top)
 
 
 def compute_scale(
@@ -95,4 +99,5 @@ def quantize(x: jnp.ndarray, scale: jnp.ndarray, dtype: Any) -> jnp.ndarray:
 
 def dequantize(q: jnp.ndarray, scale: jnp.ndarray, dtype: Any = _F32) -> jnp.ndarray:
     """`q / scale` in `dtype` (float32 by default): the inverse of `quantize`."""
-    return (q.astype(_F32) / scale).astype(dtype)
+    # a barrier: XLA:GPU would drop a float32 -> fp8 -> float32 round trip (excess precision)
+    return (jax.lax.optimization_barrier(q).astype(_F32) / scale).astype(dtype)

@@ -12,7 +12,13 @@ import numpy as np
 
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 
-__all__ = ["FP8_DTYPES", "Fp8Recipe", "Fp8Site"]
+__all__ = [
+    "FP8_DTYPES",
+    "NVFP4_HIGH_PRECISION_FIRST",
+    "NVFP4_HIGH_PRECISION_LAST",
+    "Fp8Recipe",
+    "Fp8Site",
+]
 
 # The two OCP float8 formats Hopper tensor cores multiply (e4m3fn: max 448; e5m2: max 57344).
 FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
@@ -22,6 +28,12 @@ _CONVS = ("none", "1x1")
 _BLOCK_LOWERINGS = ("auto", "native", "emulated")
 _CHOOSE = ("fixed", "roofline")
 _TARGETS = ("h100", "b200")
+# NVFP4's default `high_precision_last`: NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149)
+# keeps about 15 % of the linear layers, the last blocks, and the LM head in BF16.
+NVFP4_HIGH_PRECISION_LAST = 0.15
+# NVFP4's default `high_precision_first`: NVIDIA's recipe keeps its first blocks in BF16 too
+# (Megatron-LM's `--num-layers-at-start-in-bf16`).
+NVFP4_HIGH_PRECISION_FIRST = 0
 
 
 class Fp8Site(NamedTuple):
@@ -100,6 +112,29 @@ def _margin(value: Any, *dtypes: np.dtype) -> float:
     return margin
 
 
+def _high_precision(value: Any, field: str) -> int | float | None:
+    """None (the recipe's default), a count (int >= 0) or a fraction (float in [0, 1))."""
+    if value is None:
+        return None
+    said = f"Fp8Recipe: {field}={value!r}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(
+            f"{said} must be None (the recipe's default), an int count of GEMMs or a float "
+            "fraction of them in [0, 1)"
+        )
+    if isinstance(value, (int, np.integer)):
+        if value < 0:
+            raise ValueError(f"{said}: a count of GEMMs must be >= 0")
+        return int(value)
+    fraction = float(value)
+    if not 0.0 <= fraction < 1.0:  # NaN fails too
+        raise ValueError(
+            f"{said}: a fraction of the GEMMs must be in [0, 1) (pass an int for a count; "
+            "to keep every GEMM in the compute dtype, drop fp8=)"
+        )
+    return fraction
+
+
 def _patterns(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
@@ -173,20 +208,45 @@ class Fp8Recipe:
         `"emulated"` (operands dequantised to the compute dtype: the format's numbers on any
         device) or `"auto"` (native on a GPU of compute capability 10 or above, for MXFP8
         and NVFP4). Ignored by the other scalings.
+      high_precision_last: how many of the program's last eligible GEMMs (those left after
+        `min_dim`, `exclude` and `exclude_if`; before `choose`) keep the compute dtype
+        (forward and both gradients), counted in the order they run in the forward program:
+        an int (a count) or a float in `[0, 1)` (a fraction of the eligible GEMMs, rounded
+        to the nearest count, halves up). `None` (default): `0.15` for `"nvfp4"`
+        (`NVFP4_HIGH_PRECISION_LAST`: NVIDIA's NVFP4 recipe keeps about 15 % of the linear
+        layers, the last blocks, and the LM head in BF16), `0` for the other scalings. An
+        LM's head, the last GEMM, is the first to stay. GEMMs inside a `lax.scan` / `while`
+        body (layers stacked by `nn.scan`) run once for every layer and cannot stay for the
+        last layers only: the count stops at the first one it meets from the end, so a
+        scanned model keeps the GEMMs after its scan (the head). Read by `autocast` and
+        `fp8_ops`, which see the whole program; `apply_policy` (module by module) refuses a
+        rule that keeps any GEMM: use `exclude=` there. `fp8_ops` gives each kept GEMM's
+        reason.
+      high_precision_first: the same from the start of the program (the first GEMMs, after
+        the embedding); `None` (default): `NVFP4_HIGH_PRECISION_FIRST` for `"nvfp4"`, `0`
+        for the other scalings.
 
     Raises:
-      ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a margin
+      ValueError: for a non-fp8 dtype, an unknown scaling, amax_compute or convs, a negative
+        `high_precision_last` / `high_precision_first` count or a fraction outside `[0, 1)`,
+        a margin
         with a block-scaled recipe or outside `[0, 14]` (the bound of float8_e4m3fn: beyond
         it the amax falls below the smallest normal), a history length below 1 or a
         `min_dim` below 16, naming the field.
       TypeError: a field of the wrong type (a string margin, `power_of_two_scale="no"`,
-        `exclude=5` or a list of non-strings), naming the field and its value.
+        `exclude=5` or a list of non-strings, `high_precision_last="last"`), naming the field
+        and its value.
 
     Example:
       >>> from mpjax import Fp8Recipe
       >>> recipe = Fp8Recipe(scaling="rowwise", exclude=("*/head",))
       >>> recipe.power_of_two
       True
+      >>> nvfp4 = Fp8Recipe(scaling="nvfp4")  # the last 15 % of the GEMMs keep bf16
+      >>> nvfp4.high_precision_count(12), nvfp4.high_precision_count(4)
+      (2, 1)
+      >>> Fp8Recipe(scaling="nvfp4", high_precision_last=0).high_precision_count(12)
+      0
     """
 
     scaling: str = "tensorwise"
@@ -204,6 +264,8 @@ class Fp8Recipe:
     block_lowering: str = "auto"
     choose: str = "fixed"
     target: str | None = None
+    high_precision_last: int | float | None = None
+    high_precision_first: int | float | None = None
 
     def __post_init__(self):
         _choice(self.scaling, "scaling", _SCALINGS)
@@ -253,6 +315,8 @@ class Fp8Recipe:
             )
         object.__setattr__(self, "min_dim", min_dim)
         object.__setattr__(self, "exclude", _patterns(self.exclude))
+        for field in ("high_precision_last", "high_precision_first"):
+            object.__setattr__(self, field, _high_precision(getattr(self, field), field))
         if self.exclude_if is not None and not callable(self.exclude_if):
             raise TypeError(
                 f"Fp8Recipe: exclude_if={self.exclude_if!r} must be a callable taking an "
@@ -265,6 +329,37 @@ class Fp8Recipe:
         if self.power_of_two_scale is None:
             return self.scaling == "rowwise"
         return bool(self.power_of_two_scale)
+
+    @property
+    def high_precision_rule(self) -> int | float:
+        """`high_precision_last` with its default resolved (0.15 for NVFP4, else 0)."""
+        if self.high_precision_last is None:
+            return NVFP4_HIGH_PRECISION_LAST if self.scaling == "nvfp4" else 0
+        return self.high_precision_last
+
+    @property
+    def high_precision_first_rule(self) -> int | float:
+        """`high_precision_first` with its default resolved (NVFP4: `NVFP4_HIGH_PRECISION_FIRST`,
+        else 0)."""
+        if self.high_precision_first is None:
+            return NVFP4_HIGH_PRECISION_FIRST if self.scaling == "nvfp4" else 0
+        return self.high_precision_first
+
+    def high_precision_count(self, eligible: int, end: str = "last") -> int:
+        """How many of a program's `eligible` GEMMs, at one end, keep the compute dtype.
+
+        Args:
+          eligible: the number of GEMMs the recipe would run in its format.
+          end: `"last"` (`high_precision_last`) or `"first"` (`high_precision_first`).
+
+        Returns:
+          The rule as a count (a fraction rounded to nearest, halves up), at most `eligible`.
+        """
+        _choice(end, "high_precision_count end", ("last", "first"))
+        rule = self.high_precision_rule if end == "last" else self.high_precision_first_rule
+        if isinstance(rule, int):
+            return min(rule, eligible)
+        return min(int(np.floor(rule * eligible + 0.5)), eligible)
 
     def excludes(self, site: Fp8Site) -> bool:
         """Whether the user excluded `site` by name pattern or predicate."""

@@ -10,6 +10,7 @@ import jax
 
 from mpjax._src.analysis import collectives as hlo_collectives
 from mpjax._src.analysis import hlo_cost
+from mpjax._src.autocast.fp8_last import KEPT_SCOPE
 from mpjax._src.report import format as fmt
 from mpjax._src.report.paths import library_last, split_op_name
 from mpjax._src.report.records import (
@@ -38,6 +39,8 @@ class Report:
       converts: a `Converts` per module with dtype conversions in the optimized program.
       collectives: a `Collective` per collective of the optimized program.
       memory: the `Memory` of the executable.
+      memory_plan: the `MemoryPlan` the step was built from (`report(...,
+        memory_plan=plan)`): what it chose, what each rung saved and cost; or None.
     """
 
     target: str
@@ -45,6 +48,7 @@ class Report:
     converts: tuple[Converts, ...]
     collectives: tuple[Collective, ...]
     memory: Memory
+    memory_plan: Any = None
 
     def flops_by_dtype(self, runs: bool = True) -> dict:
         """GEMM/conv FLOPs by dtype name: run per device (`runs=True`) or asked for."""
@@ -146,7 +150,8 @@ def _dominant(counter: Counter):
 def _gemms(lowered_text: str, optimized) -> tuple[Gemm, ...]:
     asked = list(hlo_cost.analyze(lowered_text).gemms)
     rows = []
-    for g, o in _match(asked, list(optimized.gemms)):
+    pairs = list(_match(asked, list(optimized.gemms)))
+    for g, o in pairs:
         path, direction = split_op_name(g.op_name)
         path = path or UNNAMED
         runs = wider(as_dtype(o.lhs_dtype), as_dtype(o.rhs_dtype)) if o is not None else None
@@ -169,7 +174,10 @@ def _gemms(lowered_text: str, optimized) -> tuple[Gemm, ...]:
 
         return f32_vs(r[6], top_runs) or f32_vs(wider(r[3], r[4]), top_asks)
 
-    return tuple(Gemm(*r, flagged=flag(r)) for r in rows)
+    kept = [KEPT_SCOPE in g.op_name for g, _ in pairs]  # Fp8Recipe.high_precision_last
+    return tuple(
+        Gemm(*r, flagged=flag(r), high_precision_last=k) for r, k in zip(rows, kept, strict=True)
+    )
 
 
 def _path(op_name: str) -> str:
@@ -225,7 +233,7 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def report(fn, *args, target: str | None = None, **kwargs: Any) -> Report:
+def report(fn, *args, target: str | None = None, memory_plan: Any = None, **kwargs: Any) -> Report:
     """Compiles `fn(*args, **kwargs)` and reports what it runs, module by module.
 
     The precision each dot/convolution asks for comes from the lowered program; what runs,
@@ -240,6 +248,8 @@ def report(fn, *args, target: str | None = None, **kwargs: Any) -> Report:
         gpu-aot extra and `JAX_PLATFORMS=cpu`) or `"h100x2"`, `"h100x4"`, `"h100x8"` (one
         host of H100s; arguments with a `NamedSharding` keep their specs, other leaves are
         replicated).
+      memory_plan: the `mpjax.MemoryPlan` `fn` was built from (`plan.step`): the report
+        lists its choice and what every rung saved and cost.
       **kwargs: keyword arguments of `fn` (arrays).
 
     Returns:
@@ -267,4 +277,5 @@ def report(fn, *args, target: str | None = None, **kwargs: Any) -> Report:
             f"mpjax.report: {_name(fn)} does not compile for {resolved.name}: "
             f"{type(err).__name__}: {first}"
         ) from err
-    return build_report(lowered, compiled, resolved.name, resolved.gpu)
+    built = build_report(lowered, compiled, resolved.name, resolved.gpu)
+    return dataclasses.replace(built, memory_plan=memory_plan)

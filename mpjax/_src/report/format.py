@@ -45,6 +45,10 @@ def summary(report) -> str:
         paths = ", ".join(dict.fromkeys(g.path for g in fp8))
         runs = sum(g.runs_fp8 for g in fp8)
         parts.append(f"{len(fp8)} fp8 GEMMs ({paths}), {runs} run as fp8 on {report.target}")
+    kept = [g for g in report.gemms if g.high_precision_last]
+    if kept:
+        paths = ", ".join(dict.fromkeys(g.path for g in kept))
+        parts.append(f"{len(kept)} GEMMs kept by Fp8Recipe.high_precision_last ({paths})")
     count, kernels = convert_totals(report)
     parts.append(f"{count} converts, {kernels} in convert-only kernels")
     by_op: Counter = Counter()
@@ -53,6 +57,8 @@ def summary(report) -> str:
     parts += [f"{op} {dtype} {human(b, 'B')}" for (op, dtype), b in by_op.items()]
     if report.memory.roofline_s is not None:
         parts.append(f"roofline {report.memory.roofline_s * 1e3:.3g} ms")
+    if report.memory_plan is not None:
+        parts.append(f"{report.memory_plan.summary()}")
     return "; ".join(parts)
 
 
@@ -80,6 +86,12 @@ def _convert_rows(report) -> list[list[str]]:
     return rows
 
 
+def _flag(g) -> str:
+    if g.flagged:
+        return "float32!"
+    return "fp8" if g.runs_fp8 else ("high_precision_last" if g.high_precision_last else "")
+
+
 def _gemm_rows(report) -> list[list[str]]:
     groups = defaultdict(list)
     for g in report.gemms:
@@ -90,7 +102,7 @@ def _gemm_rows(report) -> list[list[str]]:
             asks = f"{g.lhs_dtype.name} x {g.rhs_dtype.name} -> {g.out_dtype.name}"
             rows.append(
                 [path, g.kind, g.direction, asks, _short(g.runs_as), human(g.flops, "FLOP")]
-                + ["float32!" if g.flagged else ("fp8" if g.runs_fp8 else "")]
+                + [_flag(g)]
             )
     if rows:  # the headline's total
         rows.append(["total", "", "", "", "", human(sum(g.flops for g in report.gemms), "FLOP")])
@@ -119,7 +131,15 @@ def _tables(report) -> list[tuple[str, list[str], list[list[str]]]]:
             [[c.path, c.op, c.dtype.name, human(c.bytes, "B")] for c in report.collectives],
         ),
         ("memory", ["temp", "arguments", "outputs", "roofline"], memory),
+        *_plan_table(report),
     ]
+
+
+def _plan_table(report) -> list:
+    plan = report.memory_plan
+    if plan is None:
+        return []
+    return [(f"memory plan (budget {human(plan.budget, 'B')})", list(plan.HEADER), plan.rows())]
 
 
 def text(report) -> str:

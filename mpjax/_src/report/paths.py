@@ -4,7 +4,8 @@
 dot of the backward pass (`transpose(...)`) in the Flax module `blk/Dense_0` of the root class
 `Model`. The path keeps the module scopes: jit scopes, transform wrappers (`jvp(...)`), method
 scopes (`Model.__call__`), the last part (the primitive), the root class (recognised by a method
-or `.apply` naming it) and the `module` child of mpjax's linen policy wrapper are dropped. A
+or `.apply` naming it), the `module` child of mpjax's linen policy wrapper and the scope
+autocast puts a GEMM kept by `Fp8Recipe.high_precision_last` under are dropped. A
 name stack with no scope left names the innermost jitted function (`jit(loss)` -> `loss`).
 What `loss_scaled` adds to a step (its name scope) is one path, `LOSS_SCALING`, and the
 optimizer it wraps another, `OPTIMIZER`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from mpjax._src.autocast.fp8_last import KEPT_SCOPE
 from mpjax._src.scaling.scopes import INNER_SCOPE, LOSS_SCALING_SCOPE
 
 __all__ = ["LOSS_SCALING", "OPTIMIZER", "library_last", "split_op_name"]
@@ -66,7 +68,7 @@ def split_op_name(op_name: str) -> tuple[str, str]:
         call = _CALL.match(part)
         if call and call.group(1) in ("jit", "pjit"):
             function = call.group(2)
-        elif not call and "." not in part:
+        elif not call and "." not in part and part != KEPT_SCOPE:
             scopes.append(part)
     if LOSS_SCALING_SCOPE in scopes:
         path = OPTIMIZER if INNER_SCOPE in scopes else LOSS_SCALING

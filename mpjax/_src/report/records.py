@@ -25,6 +25,9 @@ class Gemm:
       device_flops: those of the op that runs it on one device (`flops` divided by its
         shards under SPMD partitioning); `None` with `runs_as`.
       flagged: runs (or asks for) float32 while most of the step's GEMM FLOPs are narrower.
+      high_precision_last: an fp8-eligible GEMM that `autocast` kept in the compute dtype
+        because it is one of the program's last (`Fp8Recipe.high_precision_last`: NVFP4's
+        default keeps about 15 %).
     """
 
     path: str
@@ -37,6 +40,7 @@ class Gemm:
     flops: int
     device_flops: int | None
     flagged: bool = False
+    high_precision_last: bool = False
 
     @property
     def asks_for(self) -> jnp.dtype:
@@ -136,4 +140,6 @@ def to_plain(value):
         return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, jnp.dtype):
         return value.name
+    if callable(value):  # a memory plan's `make_step`, a checkpoint policy
+        return getattr(value, "__qualname__", None) or repr(value)
     return value

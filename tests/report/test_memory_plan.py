@@ -1,0 +1,93 @@
+"""`mpjax.memory_plan` on the current backend and its choice rule (no GPU needed).
+
+The deviceless-H100 tests are in tests/report/test_memory_plan_gpu.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mpjax
+from tests.helpers.memory_plan import example_args, make_step
+
+MIB = 2**20
+
+
+def _fake_plan(budget: int) -> mpjax.MemoryPlan:
+    """A plan over made-up candidates: (MiB, ms) keep 10/1.0, fp8 8/1.2, dots 6/0.9, full 3/1.5."""
+    rungs = tuple(r for r in mpjax.MEMORY_LADDER if r.name != "remat, keep fp8 GEMM inputs")
+    figures = [(10, 1.0), (8, 1.2), (6, 0.9), (3, 1.5)]
+    candidates = tuple(
+        mpjax.MemoryCandidate(r.name, mib * MIB - 100, 100, ms / 1e3)
+        for r, (mib, ms) in zip(rungs, figures, strict=True)
+    )
+    big = mpjax.MemoryPlan(2**40, "h100", rungs[0], candidates, rungs, make_step)
+    return big.with_budget(budget)
+
+
+@pytest.mark.parametrize(
+    "budget_mib,choice",
+    [(100, "remat, keep GEMM outputs"), (6, "remat, keep GEMM outputs"), (5, "full remat")],
+)
+def test_the_fastest_rung_within_the_budget_is_chosen(budget_mib, choice):
+    plan = _fake_plan(budget_mib * MIB)
+    assert plan.choice.name == choice
+    assert plan.chosen.total_bytes <= plan.budget
+
+
+def test_an_impossible_budget_names_the_smallest_rung():
+    with pytest.raises(ValueError, match=r"the smallest is 'full remat': 3145728 bytes"):
+        _fake_plan(3 * MIB - 1)
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1.5e9, "8GB", True, None])
+def test_a_bad_budget_is_refused_before_compiling(budget):
+    def never(rung):
+        raise AssertionError("compiled")
+
+    with pytest.raises(ValueError, match="budget="):
+        mpjax.memory_plan(never, jnp.ones(2), budget=budget, target=None)
+
+
+def test_an_empty_or_foreign_ladder_is_refused():
+    with pytest.raises(ValueError, match="ladder="):
+        mpjax.memory_plan(make_step, jnp.ones(2), budget=2**30, target=None, ladder=())
+    with pytest.raises(ValueError, match="ladder="):
+        mpjax.memory_plan(make_step, jnp.ones(2), budget=2**30, target=None, ladder=["keep"])
+
+
+def test_rungs_apply_remat_and_fp8_saved_activations():
+    keep, fp8, dots, fp8_remat, full = mpjax.MEMORY_LADDER
+    f = jnp.sin
+    assert keep.wrap(f) is f and keep.wrap_module(nn_block()) is nn_block()
+    jaxpr = str(jax.make_jaxpr(jax.grad(full.wrap(f)))(1.0))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+    policy = mpjax.get_policy("c=bf16")
+    assert fp8.with_policy(policy).saved_activations == "float8_e4m3fn"
+    assert fp8_remat.with_policy(policy).saved_activations == "float8_e4m3fn"
+    assert dots.with_policy(policy) is policy
+
+
+def nn_block():
+    from tests.helpers.memory_plan import Block
+
+    return Block
+
+
+def test_a_plan_on_the_current_backend_fits_and_report_lists_it():
+    keep, *_, full = mpjax.MEMORY_LADDER
+    args = example_args()
+    roomy = mpjax.memory_plan(make_step, *args, budget=2**40, target=None, ladder=(keep, full))
+    sizes = {c.rung: c.total_bytes for c in roomy.candidates}
+    assert sizes["full remat"] < sizes["keep"]
+    plan = roomy.with_budget(sizes["full remat"])
+    assert plan.choice is full
+    report = mpjax.report(plan.step, *args, memory_plan=plan)
+    text = str(report)
+    assert "memory plan (budget" in text and "full remat" in text and "keep" in text
+    assert "memory plan (cpu): full remat" in report.summary()
+    assert report.to_dict()["memory_plan"]["choice"]["name"] == "full remat"
+    with pytest.raises(ValueError, match=f"the smallest is 'full remat': {sizes['full remat']}"):
+        mpjax.memory_plan(make_step, *args, budget=1, target=None, ladder=(keep, full))
