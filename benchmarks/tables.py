@@ -2,13 +2,18 @@
 
 `write_docs(results_json, out_dir)` writes, into `out_dir` (`docs/_generated/`, run by
 `docs/conf.py` at every build): one Markdown file per table in a short form (`<table>.md`,
-the columns a reader compares) and in full (`<table>_full.md`), the run's provenance
-(`machine.md`) and two plots: `perf_ratios.png` (roofline and temp memory of every mpjax
-path over the hand-written anchor, per model) and `memory_per_device.png` (training state per
-device under 8-way FSDP, per mode). A table of a registered case is found by its table name;
-a study's own table is written as it returned it.
+the columns a reader compares, rows named in words with the variant id small), in full
+(`<table>_full.md`) and folded in a `<details>` block (`<table>_folded.md`); the short table
+each of the performance, memory and fp8 pages leads with (`lead_<page>.md`,
+`tables_lead.py`); the run's provenance (`machine.md`) and three plots: `perf_ratios.png`
+(roofline and temp memory of every mpjax path over the hand-written anchor, per model),
+`memory_per_device.png` (training state per device under 8-way FSDP, per mode) and
+`fp8_recipes.png` (the wide LM's step under each fp8 recipe, measured and on the cost
+models). A table of a registered case is found by its table name; a study's own table is
+written as it returned it, byte counts in MiB/GiB. The docs build regenerates all of them;
+by hand (the figures land in `docs/_generated/`, git-ignored):
 
-    python benchmarks/tables.py benchmarks/results.json docs/_generated
+    python benchmarks/tables.py benchmarks/results.json docs/_generated benchmarks/results-gpu.json
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.names import MODELS, human_bytes, named, number, sizes_in_words, words
+from benchmarks.tables_lead import lead_fp8, lead_memory, lead_performance, plot_fp8
+
 GIB, MIB = 2**30, 2**20
 COMPILE = "compile s (vs anchor)"  # trace + lower + XLA compile, on the run's machine
 
@@ -26,11 +34,12 @@ COMPILE = "compile s (vs anchor)"  # trace + lower + XLA compile, on the run's m
 
 
 def cell(value: Any) -> str:
-    """A table cell: floats to 4 significant digits, `|` escaped, None empty."""
+    """A table cell: floats to 4 significant digits (no exponent from 1e4 up), `|` escaped,
+    None empty."""
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return number(value)
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
@@ -113,7 +122,8 @@ def cost_table(records):
             _ratio(f["roofline_s"], a and a["roofline_s"]),
             _ratio(f["temp_bytes"], a and a["temp_bytes"]),
         )
-        short.append([r["model"], r["variant"], roof, temp, _f32(f), f["convert_kernels"]])
+        short.append([MODELS.get(r["model"], r["model"]), named(r["variant"]), roof, temp])
+        short[-1] += [_f32(f), f["convert_kernels"]]
         full.append(
             [r["model"], r["variant"], round(f["temp_bytes"] / GIB, 3), temp]
             + [round(f["roofline_s"] * 1e3, 3), roof, round(f["bytes"] / 1e9, 2), f["kernels"]]
@@ -136,7 +146,7 @@ def fp8_table(records):
         flops = _matmul_flops(f) if conv else f["gemm_flops"]
         total = sum(flops.values()) if conv else _block_gemm_flops(f["config"])
         share, roof = _fp8_share(flops, total), _ratio(f["roofline_s"], a and a["roofline_s"])
-        short.append([_size(r), r["variant"], roof, share])
+        short.append([MODELS.get(_size(r), _size(r)), named(r["variant"]), roof, share])
         full.append(
             [_size(r), r["variant"], round(f["roofline_s"] * 1e3, 3), roof]
             + [round(f["temp_bytes"] / GIB, 3), share, _tflop(f["gemm_flops"])]
@@ -155,7 +165,7 @@ def blocks_table(records):
         share = _fp8_share(f["gemm_flops"], _block_gemm_flops(f["config"]))
         roof = _ratio(f["roofline_s"], a and a["roofline_s"])
         gpu = r["target"].upper()
-        short.append([gpu, _size(r), r["variant"], roof, share])
+        short.append([gpu, MODELS.get(_size(r), _size(r)), named(r["variant"]), roof, share])
         full.append(
             [gpu, _size(r), r["variant"], round(f["roofline_s"] * 1e3, 3), roof]
             + [round(f["temp_bytes"] / GIB, 3), share, _tflop(f["gemm_flops"])]
@@ -182,14 +192,18 @@ def _parts(f: dict) -> list[str]:
     return [f"{parts[p] * 1e3:.2f} ({100 * parts[p] / total:.0f} %)" for p in PARTS]
 
 
+# The multi-GPU rows the performance page leads with (the full table is folded below it).
+MULTI_GPU_SHORT = ("lm", "h100x8")
+
+
 def multi_gpu_table(records):
     short, full = [], []
     for r, a in _with_anchor(records):
         f = r["figures"]
         moved = _ratio(f["collective_bytes"], a and a["collective_bytes"])
-        per_dev = round((f["temp_bytes"] + f["argument_bytes"]) / MIB, 1)
-        short.append([r["model"], r["target"], r["variant"], moved])
-        short[-1] += [round(f["comm_s_links"] * 1e3, 3), per_dev]
+        if (r["model"], r["target"]) == MULTI_GPU_SHORT:
+            short.append([named(r["variant"]), moved, round(f["comm_s_links"] * 1e3, 3)])
+            short[-1].append(human_bytes(f["temp_bytes"] + f["argument_bytes"]))
         ops = "; ".join(
             f"{k} {v['count']}x {v['bytes'] / MIB:.2f}" for k, v in f["by_op_dtype"].items()
         )
@@ -201,18 +215,19 @@ def multi_gpu_table(records):
             + [round(f["argument_bytes"] / MIB, 1), round(f["state_bytes"] / f["params"], 3)]
             + [ops, _compile_cell(f, a)]
         )
-    s_cols = ["model", "target", "path", "collective bytes vs bf16", "comm ms by link"]
+    s_cols = ["path (GPT-2 small, FSDP, 8 H100s on one host)", "collective bytes vs bf16"]
+    s_cols += ["comm ms by link"]
     f_cols = ["model", "target", "mesh", "variant", "collectives", "collective MiB"]
     f_cols += ["vs anchor", "comm ms NVLink", "comm ms inter-host", "comm ms by link"]
     f_cols += ["temp MiB/dev", "args MiB/dev", "state B/param", "by op and dtype (count, MiB)"]
-    return s_cols + ["MiB per device"], short, f_cols + [COMPILE], full
+    return s_cols + ["memory per GPU"], short, f_cols + [COMPILE], full
 
 
 def opt_step_table(records):
     rows = []
     for r, a in _with_anchor(records):
         f = r["figures"]
-        rows.append([r["model"], r["variant"], f["kernels"], round(f["bytes"] / 1e6, 2)])
+        rows.append([r["model"], named(r["variant"]), f["kernels"], round(f["bytes"] / 1e6, 2)])
         rows[-1] += [_ratio(f["bytes"], a and a["bytes"]), round(f["temp_bytes"] / MIB, 2)]
         rows[-1].append(round(f["roofline_s"] * 1e6, 1))
     cols = ["model", "pattern", "kernels", "MB accessed", "bytes vs bare step", "temp MiB"]
@@ -253,10 +268,50 @@ def memory_tables(records) -> dict[str, str]:
     }
 
 
+# A study's short table: the columns a reader compares (names as the study returns them;
+# a study without an entry, or whose columns changed, is shown whole).
+STUDY_SHORT = {
+    "policy-cpu": ("model", "casts/param optimized", "temp ratio", "residual ratio"),
+    "autocast-cpu": (
+        "model", "variant", "bytes ratio vs flax bf16", "temp ratio vs flax bf16",
+        "time ratio vs flax bf16",
+    ),
+    "inference": ("variant", "latency ratio", "bytes ratio", "variable bytes", "variable ratio"),
+    "step-overhead": ("variant", "donated", "bytes ratio", "HLO copies", "time ratio"),
+}  # fmt: skip
+
+
+def _readable_column(name: str, values: list) -> tuple[str, list]:
+    """A byte-count column in MiB or GiB (`bytes accessed` -> `accessed (MiB)`), a MiB
+    column of 10 GiB or more in GiB; any other column as it is."""
+    nums = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    words = name.split()
+    units = {"MiB", "GiB", "MB", "GB", "(MB)", "(GB)", "ratio", "B/param"}
+    if nums and len(nums) == len(values) and "bytes" in words and not units & set(words):
+        unit, div = ("GiB", GIB) if max(map(abs, nums)) >= 2 * GIB else ("MiB", MIB)
+        label = " ".join(w for w in words if w != "bytes") or "size"
+        return f"{label} ({unit})", [number(v / div) for v in values]
+    if nums and len(nums) == len(values) and "MiB" in words and max(map(abs, nums)) >= 10240:
+        return name.replace("MiB", "GiB"), [f"{v / 1024:.2f}" for v in values]
+    return name, values
+
+
+def _readable(columns: list[str], rows: list[list]) -> tuple[list[str], list[list]]:
+    cols = list(zip(*rows, strict=True)) if rows else [[] for _ in columns]
+    pairs = [_readable_column(c, list(v)) for c, v in zip(columns, cols, strict=True)]
+    return [c for c, _ in pairs], [list(r) for r in zip(*(v for _, v in pairs), strict=True)]
+
+
 def study_table(records):
-    """A study's own table (title, columns, rows, notes as its measure returned them)."""
+    """A study's own table (title, columns, rows, notes as its measure returned them), byte
+    counts in MiB/GiB; the short form keeps `STUDY_SHORT`'s columns."""
     f = records[0]["figures"]
-    return f["columns"], f["rows"], f["columns"], f["rows"]
+    columns, rows = _readable(f["columns"], f["rows"])
+    keep = STUDY_SHORT.get(records[0]["table"], ())
+    if not keep or not set(keep) <= set(f["columns"]):
+        return columns, rows, columns, rows
+    idx = [f["columns"].index(c) for c in keep]
+    return [columns[i] for i in idx], [[r[i] for i in idx] for r in rows], columns, rows
 
 
 def time_table(records):
@@ -265,7 +320,8 @@ def time_table(records):
     for r, _ in _with_anchor(records):
         f = r["figures"]
         t, ratio = f["time_s"], f["time_vs_anchor"]
-        rows.append([_size(r), r["variant"], round(f["items"] / t["median"])])
+        rows.append([MODELS.get(_size(r), _size(r)), named(r["variant"])])
+        rows[-1].append(round(f["items"] / t["median"]))
         rows[-1] += [round(ratio["median"], 3), f"{ratio['min']:.3f}-{ratio['max']:.3f}"]
         rows[-1] += [round(t["median"] * 1e3, 2), round(f["bytes"] / 1e9, 3)]
     cols = ["model", "path", "items/s", "time vs anchor", "min-max", "ms/step", "GB accessed"]
@@ -320,8 +376,9 @@ def _identity_note(check: dict) -> str:
         if i not in same:
             losses = "the same losses" if c["losses"] else "different losses"
             n = c.get("differing_master_elements", "some")
-            parts.append(f"for seed {i}, {losses} and {n} master element(s) apart")
-    return text + "; ".join(parts) + " (see below)."
+            parts.append(f"seed {i} gave {losses}, {n} master elements apart")
+    lead = text if same else "The runs with a float32 master and with the remainder differ: "
+    return lead + "; ".join(parts) + " (see below)."
 
 
 def _seeds(seeds: list[int]) -> str:
@@ -379,9 +436,20 @@ def digits_section(result: dict) -> str:
 # --- plots -----------------------------------------------------------------------------------
 
 
+def _ratio_labels(ax, values: list[float], clip: float, span: float) -> None:
+    """Each bar's value beside the bar's far end, outside it: right of a bar above 1, left of
+    a bar below 1 (so no label sits on a bar); `>` marks a bar clipped at `clip`."""
+    for y, v in enumerate(values):
+        end, right = min(v, clip), v >= 1
+        text = f"{v:.3g}" + (" >" if v > clip else "")
+        ax.text(end + (0.01 if right else -0.01) * span, y, text, va="center",
+                ha="left" if right else "right", fontsize=7)  # fmt: skip
+
+
 def plot_ratios(records: list[dict], path: Path, clip: float = 1.5) -> None:
     """Roofline and temp memory of each path over the hand-written bf16 anchor, per model:
-    bars from 1 (the anchor), red where worse by more than 1 %, clipped at `clip`."""
+    bars from 1 (the anchor), red where worse by more than 1 %, clipped at `clip`; each
+    column's axis reaches every bar and its label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -390,30 +458,32 @@ def plot_ratios(records: list[dict], path: Path, clip: float = 1.5) -> None:
     models = list(dict.fromkeys(r["model"] for r in records))
     paired = [(r, a) for r, a in _with_anchor(records) if a and r["variant"] != r["anchor"]]
     fig, axes = plt.subplots(
-        len(models), 2, figsize=(10, 1.0 + 0.3 * len(paired)), squeeze=False, sharex=True
-    )
-    low = min([0.9] + [r["figures"][k] / a[k] for r, a in paired for k in ("roofline_s",)])
-    for row, model in enumerate(models):
-        mine = [(r, a) for r, a in paired if r["model"] == model]
-        names = [r["variant"] for r, _ in mine]
-        for col, (key, what) in enumerate((("roofline_s", "roofline"), ("temp_bytes", "temp"))):
+        len(models), 2, figsize=(7.6, 1.2 + 0.3 * len(paired)), squeeze=False,
+        sharex="col", sharey="row",
+    )  # fmt: skip
+    keys = (("roofline_s", "roofline"), ("temp_bytes", "temp memory"))
+    for col, (key, _) in enumerate(keys):
+        values = [r["figures"][key] / a[key] for r, a in paired]
+        low = min([0.95, *values])
+        span = clip - low
+        axes[0][col].set_xlim(low - 0.24 * span, clip + 0.24 * span)  # room for labels
+        for row, model in enumerate(models):
+            mine = [(r, a) for r, a in paired if r["model"] == model]
+            ratios = [r["figures"][key] / a[key] for r, a in mine]
             ax = axes[row][col]
-            values = [r["figures"][key] / a[key] for r, a in mine]
-            shown = [min(v, clip) - 1 for v in values]
-            colors = ["#c44e52" if v > 1.01 else "#4c72b0" for v in values]
-            ax.barh(names, shown, left=1.0, color=colors)
+            colors = ["#c44e52" if v > 1.01 else "#4c72b0" for v in ratios]
+            ax.barh(range(len(mine)), [min(v, clip) - 1 for v in ratios], left=1.0, color=colors)
             ax.axvline(1.0, color="black", linewidth=1)
-            ax.invert_yaxis()
-            ax.set_title(f"{model}: {what} / hand-written bf16", fontsize=10)
-            for y, v in enumerate(values):
-                ax.text(min(v, clip), y, f" {v:.3g}" + (" >" if v > clip else ""), va="center",
-                        fontsize=8)  # fmt: skip
-            ax.set_xlim(min(low, 0.9) - 0.02, clip + 0.12)
-            ax.tick_params(labelsize=8)
+            _ratio_labels(ax, ratios, clip, span)
+            ax.set_yticks(range(len(mine)), [f"{words(r['variant'])}" for r, _ in mine])
+            ax.set_ylim(len(mine) - 0.5, -0.5)
+            name = MODELS.get(model, model)
+            ax.set_title(f"{name}: {keys[col][1]}", fontsize=9)
+            ax.tick_params(labelsize=7)
     for ax in axes[-1]:
-        ax.set_xlabel("ratio to the anchor (1 = the same, lower is better)", fontsize=9)
+        ax.set_xlabel("ratio to hand-written bf16 (lower is better)", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=200)  # shown about 760 px wide: sharp, text about 10 px
     plt.close(fig)
 
 
@@ -430,7 +500,7 @@ def plot_memory(records: list[dict], path: Path) -> None:
     labels = [r.get("label", r["variant"]) for r in rows]
     params = [r["figures"]["param_bytes"] / 8 / unit for r in rows]
     rest = [(r["figures"]["state_bytes"] - r["figures"]["param_bytes"]) / 8 / unit for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(rows)))
+    fig, ax = plt.subplots(figsize=(7.6, 1.2 + 0.35 * len(rows)))
     ax.barh(labels, params, color="#4c72b0", label="params")
     ax.barh(labels, rest, left=params, color="#dd8452", label="master + optimizer state")
     for y, (p, q, r) in enumerate(zip(params, rest, rows, strict=True)):
@@ -442,7 +512,7 @@ def plot_memory(records: list[dict], path: Path) -> None:
     ax.set_xlim(0, 1.4 * max((p + q for p, q in zip(params, rest, strict=True)), default=1))
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=200)
     plt.close(fig)
 
 
@@ -510,12 +580,28 @@ def machine_section(results: dict) -> str:
     )
 
 
+# What a table shows, for the line that says it was not measured.
+NOT_RUN_NAMES = {
+    "gpu": "Step times on a real GPU",
+    "kernels-gpu": "The Pallas kernels timed on a real GPU",
+    "reduce-dtype-h100": "Gradient collectives per reduce dtype on 8 H100s",
+}
+
+
 def _not_run(results: dict, table: str) -> str:
+    """One line naming the table and why it is missing (two missing tables never read the
+    same)."""
+    what = NOT_RUN_NAMES.get(table, f"The `{table}` table")
     others = [r for r in results["records"] if r["table"] == table and r["status"] != "ok"]
     if not others:
-        return "Not measured in this run.\n"
+        return f"{what}: not measured in this run.\n"
     reasons = sorted({r.get("reason", r["status"]).splitlines()[0] for r in others})
-    return f"Not measured in this run ({cell('; '.join(reasons))}).\n"
+    return f"{what}: not measured in this run ({cell('; '.join(reasons))}).\n"
+
+
+def folded(summary: str, body: str) -> str:
+    """`body` (Markdown) in a `<details>` block that opens on `summary`."""
+    return f"<details>\n<summary>{summary}</summary>\n\n{body.strip()}\n\n</details>\n"
 
 
 # Every table the docs include (a table missing from a run reads "Not measured").
@@ -562,6 +648,7 @@ def pages(results: dict) -> dict[str, str]:
         special, names = SPECIAL.get(table, (None, (table, f"{table}_full")))
         if not records:
             out.update(dict.fromkeys(names, _not_run(results, table)))
+            out[f"{table}_folded"] = ""
         elif special:
             out.update(special(records))
         else:
@@ -569,9 +656,15 @@ def pages(results: dict) -> dict[str, str]:
             s_cols, s_rows, f_cols, f_rows = build(records)
             f = records[0]["figures"] if build is study_table else {}
             title, notes = f.get("title", ""), f.get("notes", "")
-            out[table] = markdown_table(s_cols, s_rows) + "\n"
-            full = (f"**{cell(title)}**\n\n" if title else "") + markdown_table(f_cols, f_rows)
-            out[f"{table}_full"] = full + (f"\n\n{cell(notes)}" if notes else "") + "\n"
+            caption = f"**{cell(title)}**\n\n" if title else ""
+            out[table] = caption + markdown_table(s_cols, s_rows) + "\n"
+            full = caption + markdown_table(f_cols, f_rows)
+            notes = sizes_in_words(cell(notes)) if notes else ""
+            out[f"{table}_full"] = full + (f"\n\n{notes}" if notes else "") + "\n"
+            n = len(f_rows)
+            out[f"{table}_folded"] = folded(
+                f"All {n} rows and {len(f_cols)} columns", out[f"{table}_full"]
+            )
     return out
 
 
@@ -585,6 +678,10 @@ def with_gpu_records(results: dict, gpu_json: Path | None) -> dict:
     return {**results, "records": [r for r in results["records"] if r["name"] not in names] + gpu}
 
 
+# The short table each page leads with: `lead_<page>.md`.
+LEADS = {"performance": lead_performance, "memory": lead_memory, "fp8": lead_fp8}
+
+
 def write_docs(results_json: Path, out_dir: Path, gpu_json: Path | None = None) -> list[Path]:
     """Writes the pages and plots of `results_json` (its real-GPU records from `gpu_json`)
     into `out_dir`; returns the paths."""
@@ -592,7 +689,8 @@ def write_docs(results_json: Path, out_dir: Path, gpu_json: Path | None = None) 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, text in pages(results).items():
+    leads = {f"lead_{name}": fn(results["records"]) for name, fn in LEADS.items()}
+    for name, text in {**pages(results), **leads}.items():
         path = out_dir / f"{name}.md"
         if not path.exists() or path.read_text() != text:  # keep mtimes: no needless rebuilds
             path.write_text(text)
@@ -605,7 +703,8 @@ def write_docs(results_json: Path, out_dir: Path, gpu_json: Path | None = None) 
         if records := _ok(results, table):
             plot(records, out_dir / name)
             paths.append(out_dir / name)
-    return paths
+    plot_fp8(results["records"], out_dir / "fp8_recipes.png")
+    return paths + [out_dir / "fp8_recipes.png"]
 
 
 if __name__ == "__main__":

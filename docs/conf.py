@@ -17,6 +17,7 @@ ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # document the checkout's mpjax, not an installed copy
 sys.path.insert(0, str(DOCS))
 
+from example_outputs import OUTPUTS, facts, read_outputs, write_example_outputs  # noqa: E402
 from memory_switch_tables import write_memory_switch_tables  # noqa: E402
 
 import mpjax  # noqa: E402
@@ -32,6 +33,10 @@ write_docs(
 )
 # The memory guide's "where the memory goes" section, from the suite's `memory-switches` case.
 write_memory_switch_tables(ROOT / "benchmarks" / "results.json", DOCS / "_generated")
+# The examples page's outputs and the figures the prose quotes from them ({{ name }}), from
+# the recorded run in docs/examples/outputs/.
+write_example_outputs(OUTPUTS, DOCS / "_generated")
+myst_substitutions = facts(read_outputs(OUTPUTS))
 
 project = "mpjax"
 author = "mpjax authors"
@@ -46,7 +51,7 @@ extensions = [
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build", "_generated", "README.md"]
-myst_enable_extensions = ["colon_fence"]
+myst_enable_extensions = ["colon_fence", "substitution"]
 myst_heading_anchors = 3
 
 # API reference: docstrings are Google style (Args:/Returns:); `name` in a docstring is a
@@ -73,6 +78,7 @@ add_module_names = False
 html_theme = "furo"
 html_title = f"mpjax {release}"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]  # code blocks fit 100 columns; folded tables
 
 
 _PRIVATE_TYPE = re.compile(r"\bmpjax\._src\.[\w.]*\.(\w+)\b")

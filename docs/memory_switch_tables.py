@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.tables import markdown_table
+from benchmarks.names import sizes_in_words
+from benchmarks.tables import folded, markdown_table
 
 GIB = 2**30
 
@@ -55,11 +56,32 @@ def where_section(result: dict) -> str:
 
 
 def switch_section(result: dict) -> str:
-    """Per-GPU memory of each switch alone and all together, against both anchors."""
+    """Per-GPU memory of each switch alone and all together, against both anchors; the walk's
+    categories (GiB) in a folded table below."""
     cols = result["columns"]
-    keep = [0, 3, 4, 5] + list(range(6, len(cols)))
-    rows = [[row[i] for i in keep] for row in result["rows"]]
-    return markdown_table([cols[i] for i in keep], rows) + "\n\n" + result["notes"] + "\n"
+    wanted = {"step", "temp + args GiB", "roofline ms"}
+    short = [i for i, c in enumerate(cols) if c in wanted or c.startswith("vs ")]
+    rows = [[row[i] for i in short] for row in result["rows"]]
+    text = markdown_table([cols[i] for i in short], rows) + "\n\n"
+    by_category = [0] + [i for i in range(1, len(cols)) if i not in short]
+    full = markdown_table(
+        [cols[i] for i in by_category], [[row[i] for i in by_category] for row in result["rows"]]
+    )
+    notes = sizes_in_words(result["notes"])
+    return text + folded("GiB per GPU by category, each row", full + "\n\n" + notes)
+
+
+def _commands(command: str) -> list[str]:
+    """The commands a study wrote as one with an optional part: `cmd[ --flag x]` -> `cmd`
+    and `cmd --flag x`."""
+    if "[" not in command or not command.endswith("]"):
+        return [command]
+    base, optional = command[:-1].split("[", 1)
+    return [base.rstrip(), base.rstrip() + " " + optional.strip()]
+
+
+def _seeds(n: int) -> str:
+    return "seed 0" if n == 1 else f"seeds 0-{n - 1}"
 
 
 def step_seconds(r: dict) -> float:
@@ -103,15 +125,19 @@ def char_lm_section(result: dict) -> str:
     c = result.get("char_lm")
     if not c:
         return "(the `memory-switches-char-lm` case is not in the results file)\n"
+    one = c["seeds"] == 1
     rows = [
-        [label, f"{v['mean']:.4f}", ", ".join(f"{x:.4f}" for x in v["bits_per_byte"])]
+        [label, f"{v['mean']:.4f}"]
+        + ([] if one else [", ".join(f"{x:.4f}" for x in v["bits_per_byte"])])
         for label, v in c["runs"].items()
     ]
-    text = markdown_table(["char-LM (bf16 compute)", "val bits/byte (mean)", "per seed"], rows)
+    columns = ["char-LM (bf16 compute)", "val bits/byte" if one else "val bits/byte (mean)"]
+    text = markdown_table(columns + ([] if one else ["per seed"]), rows)
+    commands = " and ".join(f"`{cmd}`" for cmd in _commands(c["command"]))
     return (
         text
-        + f"\n\nRatio {c['ratio']:.4f} ({c['steps']} steps, {c['seeds']} seeds; "
-        + f"`{c['command']}`).\n"
+        + f"\n\nWith fp8 saved activations over without: {c['ratio']:.4f}x "
+        + f"({c['steps']} steps, {_seeds(c['seeds'])}; {commands}).\n"
     )
 
 

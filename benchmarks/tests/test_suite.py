@@ -169,7 +169,10 @@ def test_tables_and_plots_come_from_the_results(tmp_path):
     out = tmp_path / "out"
     short = out.joinpath("cost.md").read_text().splitlines()
     assert short[0].count("|") == 7  # six short columns
-    assert short[3].startswith("| lm | policy | 1.5 | 0.5 | 0/0 | 1 |")
+    assert short[3].startswith(
+        "| GPT-2 small | apply_policy, one bf16 policy <small>policy</small> "
+        "| 1.5 | 0.5 | 0/0 | 1 |"
+    )
     assert out.joinpath("cost_full.md").read_text().count(" | ") > 2 * 13
     assert "| m | 2 | 12 | **14** |" in out.joinpath("memory_state.md").read_text()
     assert "needs a GPU" in out.joinpath("gpu.md").read_text()
