@@ -235,3 +235,46 @@ def check_result(result: Any) -> None:
                     f"benchmark result: row {i} has a {type(cell).__name__} cell; "
                     "cells are str, int or float"
                 )
+
+
+def table(title: str, columns: list, rows: list, notes: str, **extra: Any) -> dict:
+    """A study's figures: its table (`check_result`'s contract) and any `extra` details."""
+    result = {"title": title, "columns": columns, "rows": rows, "notes": notes, **extra}
+    check_result(result)
+    return result
+
+
+_MARK = "BENCHMARK_CHILD_RESULT "
+
+
+def in_child(fn: Callable[[bool], Any], quick: bool, devices: int = 8, **env: str) -> Any:
+    """`fn(quick)` (a module-level function returning JSON data) run in a child python with
+    `devices` host devices (XLA fixes the count when jax starts) and `env` set; its result."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, **env}
+    flag = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+    cmd = [sys.executable, "-m", "benchmarks.common", fn.__module__, fn.__name__]
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        cmd + ["--quick"] * quick, env=env, capture_output=True, text=True, cwd=root
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith(_MARK)]
+    if out.returncode or not lines:
+        raise RuntimeError(
+            f"{fn.__name__} in a child failed ({out.returncode}):\n{out.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len(_MARK) :])
+
+
+if __name__ == "__main__":  # the child of `in_child`: module, function, [--quick]
+    import importlib
+    import json
+    import sys
+
+    _fn = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
+    print(_MARK + json.dumps(_fn("--quick" in sys.argv)), flush=True)
