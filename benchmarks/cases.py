@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from benchmarks import gpu
 from benchmarks import hlo_studies as hlo
 from benchmarks import timing_studies as timing
 from benchmarks import training_studies as training
@@ -81,7 +82,7 @@ STUDIES = (  # (table, target, measure)
     ("memory-switches", "h100x8", memory_switches),
     ("memory-switches-char-lm", "cpu", training.memory_switches_char_lm),
     ("lce-loss", "h100x8", hlo.lce_loss),
-    ("kernels-gpu", "gpu", timing.kernels_gpu),
+    ("kernels-gpu", "gpu", gpu.kernels_gpu),
     # Issue 30: the forms of a blockwise fp8 GEMM on Hopper (the Pallas kernel ships).
     ("blockwise-hopper", "h100", hlo.blockwise_hopper_cost),
     ("blocks-convergence", "cpu", training.blocks_convergence),

@@ -258,7 +258,8 @@ def in_child(fn: Callable[[bool], Any], quick: bool, devices: int = 8, **env: st
     env = {**os.environ, **env}
     flag = f"--xla_force_host_platform_device_count={devices}"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
-    cmd = [sys.executable, "-m", "benchmarks.common", fn.__module__, fn.__name__]
+    module = sys.modules[fn.__module__].__file__  # by its file: a test's module has no package
+    cmd = [sys.executable, "-m", "benchmarks.common", module, fn.__name__]
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         cmd + ["--quick"] * quick, env=env, capture_output=True, text=True, cwd=root
@@ -271,10 +272,13 @@ def in_child(fn: Callable[[bool], Any], quick: bool, devices: int = 8, **env: st
     return json.loads(lines[-1][len(_MARK) :])
 
 
-if __name__ == "__main__":  # the child of `in_child`: module, function, [--quick]
-    import importlib
+if __name__ == "__main__":  # the child of `in_child`: module file, function, [--quick]
+    import importlib.util
     import json
     import sys
 
-    _fn = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
+    _spec = importlib.util.spec_from_file_location("_in_child", sys.argv[1])
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    _fn = getattr(_module, sys.argv[2])
     print(_MARK + json.dumps(_fn("--quick" in sys.argv)), flush=True)
