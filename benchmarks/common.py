@@ -1,8 +1,9 @@
-"""Shared helpers for the benchmarks: interleaved timing, medians and ranges, XLA cost analysis.
+"""Shared helpers for the benchmarks: interleaved timing, medians and ranges, XLA cost analysis,
+a study's table, a function run with N host devices.
 
-A study script of this folder (`benchmarks/studies.py`) exposes `run(quick: bool = False)
--> dict` returning `{"title": str, "columns": [...], "rows": [[...], ...], "notes": str}`;
-it may raise `Skip("reason")` to be recorded as skipped with that reason.
+A study (a case of `benchmarks/cases.py`'s `STUDIES`) is `measure(case, quick) -> dict`
+returning `table(title, columns, rows, notes, **details)`; it may raise `Skip("reason")`
+to be recorded as skipped with that reason.
 
 Example:
   >>> times = interleaved_times({"a": step_a, "b": step_b}, rounds=7, steps_per_round=5)
@@ -30,7 +31,9 @@ __all__ = [
     "interleaved_times",
     "machine_info",
     "paired_ratio",
+    "in_child",
     "summary",
+    "table",
 ]
 
 

@@ -181,10 +181,9 @@ def kernels_gpu(case=None, quick: bool = False, smoke: bool = False) -> dict:
         rows += _kernel_rows(case_name, timed(fns, args), moved * y.nbytes, copy_gbs)
     # ResNet-50 train steps: f32 / bf16, with ("auto") and without ("xla") the kernels.
     batch, size, classes = (2, 16, 10) if small else (64, 224, 1000)
-    images = jnp.asarray(
-        np.random.default_rng(1).standard_normal((batch, size, size, 3)), jnp.float32
-    )
-    labels = jnp.asarray(np.random.default_rng(1).integers(0, classes, batch))
+    rng = np.random.default_rng(1)
+    images = jnp.asarray(rng.standard_normal((batch, size, size, 3)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, classes, batch))
     for dtype, name in (
         ((jnp.bfloat16, "bf16"),) if small else ((jnp.float32, "f32"), (jnp.bfloat16, "bf16"))
     ):
