@@ -296,7 +296,7 @@ OPT_LM_VARIANTS = MappingProxyType(
 
 # `mpjax_step` with the finite check forced onto the Pallas kernel
 _pallas_train_step = so._opt_step(
-    mpjax.loss_scaled(optax.adam(so.LR), impl="pallas"), mpjax.scale_loss
+    lambda: mpjax.loss_scaled(optax.adam(so.LR), impl="pallas"), mpjax.scale_loss
 )
 
 

@@ -75,9 +75,9 @@ def loss_fn(params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.mean(jnp.square(h.astype(jnp.float32) - y))
 
 
-def _opt_step(tx, scale, unscale=lambda g: g):
-    """A `(state, batch) -> (state, loss)` step of `tx`; `scale(loss, opt_state)` is what
-    is differentiated, `unscale(grads)` what `tx` gets."""
+def _opt_step(make_tx, scale, unscale=lambda g: g):
+    """A `(state, batch) -> (state, loss)` step of `make_tx()`; `scale(loss, opt_state)` is
+    what is differentiated, `unscale(grads)` what the optimizer gets."""
 
     def step(state, batch):
         params, opt_state = state
@@ -87,20 +87,32 @@ def _opt_step(tx, scale, unscale=lambda g: g):
             return scale(loss, opt_state), loss
 
         grads, loss = jax.grad(scaled, has_aux=True)(params)
-        updates, opt_state = tx.update(unscale(grads), opt_state, params)
+        updates, opt_state = make_tx().update(unscale(grads), opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
     return step
 
 
-def _tx_init(tx):
-    return lambda params: (params, tx.init(params))
+def _tx_init(make_tx):
+    # a new optimizer per state: its initial arrays (a loss scale) are never shared, so one
+    # variant's donation cannot delete another's
+    return lambda params: (params, make_tx().init(params))
 
 
-bare_init, bare_step = _tx_init(optax.adam(LR)), _opt_step(optax.adam(LR), lambda x, s: x)
-_scaled = mpjax.loss_scaled(optax.adam(LR))
-mpjax_init, mpjax_step = _tx_init(_scaled), _opt_step(_scaled, mpjax.scale_loss)
-_if_finite = optax.apply_if_finite(optax.adam(LR), 5)
+def _adam():
+    return optax.adam(LR)
+
+
+def _loss_scaled():
+    return mpjax.loss_scaled(optax.adam(LR))
+
+
+def _if_finite():
+    return optax.apply_if_finite(optax.adam(LR), 5)
+
+
+bare_init, bare_step = _tx_init(_adam), _opt_step(_adam, lambda x, s: x)
+mpjax_init, mpjax_step = _tx_init(_loss_scaled), _opt_step(_loss_scaled, mpjax.scale_loss)
 if_finite_init = _tx_init(_if_finite)
 if_finite_step = _opt_step(
     _if_finite, lambda x, s: x * STATIC_SCALE, lambda g: jax.tree.map(lambda x: x / STATIC_SCALE, g)
