@@ -13,8 +13,8 @@ what `python benchmarks/run.py` measures. To add a benchmark:
 
 A study that is not one program (a training run, a timing of alternatives) is a case with
 its own `measure=fn(case, quick) -> figures`: a function of `hlo_studies.py` (read from
-compiled programs), `timing_studies.py` (timed on this host) or `training_studies.py`
-(training runs), listed in `STUDIES`. Its models are in `train_models.py`.
+compiled programs), `timing_studies.py` (timed on this host), `training_studies.py`
+(training runs) or `gpu.py` (a real GPU), listed in `STUDIES`. Its models are in `train_models.py`.
 """
 
 from __future__ import annotations
