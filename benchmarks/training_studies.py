@@ -208,13 +208,13 @@ def memory_switches_char_lm(case=None, quick: bool = False, seeds: int = 1) -> d
     flags = " --saved-activations float8_e4m3fn"
     command = f"python examples/train_char_lm.py --precisions bf16 --seeds {seeds}[{flags}]"
     details = {"runs": out, "ratio": ratio, "steps": char_lm_steps(quick), "seeds": seeds}
-    return table(
-        "char-LM validation bits/byte, bf16 with and without fp8 saved activations",
-        ["mode", "bits/byte (mean)", "runs"],
-        [[k, round(v["mean"], 4), v["bits_per_byte"]] for k, v in out.items()],
-        f"{details['steps']} steps, {seeds} seed(s); fp8 / bf16 = {ratio:.4f}; {command}",
-        details=details | {"command": command},
-    )
+    return {  # not `table`: its `runs` cells are lists (the bits/byte of each seed)
+        "title": "char-LM validation bits/byte, bf16 with and without fp8 saved activations",
+        "columns": ["mode", "bits/byte (mean)", "runs"],
+        "rows": [[k, round(v["mean"], 4), v["bits_per_byte"]] for k, v in out.items()],
+        "notes": f"{details['steps']} steps, {seeds} seed(s); fp8 / bf16 = {ratio:.4f}; {command}",
+        "details": details | {"command": command},
+    }
 
 
 # --- the gradient reduction dtype ------------------------------------------------------------
