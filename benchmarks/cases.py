@@ -12,13 +12,19 @@ what `python benchmarks/run.py` measures. To add a benchmark:
    results file; `benchmarks/tables.py` puts it in its table and plot.
 
 A study that is not one program (a training run, a timing of alternatives) is a case with
-its own `measure=fn(case, quick) -> figures`.
+its own `measure=fn(case, quick) -> figures`: a function of `hlo_studies.py` (read from
+compiled programs), `timing_studies.py` (timed on this host), `training_studies.py`
+(training runs) or `gpu.py` (a real GPU), listed in `STUDIES`. Its models are in `train_models.py`.
 """
 
 from __future__ import annotations
 
 from types import MappingProxyType
 
+from benchmarks import gpu
+from benchmarks import hlo_studies as hlo
+from benchmarks import timing_studies as timing
+from benchmarks import training_studies as training
 from benchmarks.fp8_variants import (
     BLOCK_VARIANTS,
     FP8_CONV_VARIANTS,
@@ -26,6 +32,7 @@ from benchmarks.fp8_variants import (
     NNX_VARIANTS,
 )
 from benchmarks.harness import Case, Model
+from benchmarks.memory_switches import memory_switches
 from benchmarks.state_variants import (
     MEMORY_LM_VARIANTS,
     MEMORY_MODES,
@@ -35,9 +42,6 @@ from benchmarks.state_variants import (
     OPT_LM_VARIANTS,
     OPT_VARIANTS,
 )
-from benchmarks.step_overhead import FULL as MLP_FULL
-from benchmarks.step_overhead import QUICK as MLP_QUICK
-from benchmarks.studies import STUDIES
 from benchmarks.train_models import LM_SIZES, RESNET_SIZES
 from benchmarks.train_variants import (
     LM_FUSED_LOSS_VARIANTS,
@@ -58,8 +62,30 @@ MODELS = MappingProxyType(
         "lm-nnx": Model(LM_SIZES, "quick", "gpt2", NNX_VARIANTS, lm_config),
         "opt-lm": Model(LM_SIZES, "quick", "gpt2", OPT_LM_VARIANTS, lm_config),
         "opt-blocks": Model({"120": {"blocks": 30, "width": 256}}, "120", "120", OPT_VARIANTS),
-        "mlp": Model({"quick": MLP_QUICK, "full": MLP_FULL}, "quick", "full", MLP_VARIANTS),
+        "mlp": Model({"quick": timing.QUICK, "full": timing.FULL}, "quick", "full", MLP_VARIANTS),
     }
+)
+
+
+# Studies: cases that are not one program, each `measure(case, quick) -> figures` (a table:
+# `title`, `columns`, `rows`, `notes`; the docs' tables read it by the table name).
+STUDIES = (  # (table, target, measure)
+    ("policy-cpu", "cpu", hlo.policy_cost),
+    ("autocast-cpu", "cpu", hlo.autocast_hlo),
+    ("step-overhead", "cpu", timing.step_overhead),
+    ("inference", "cpu", timing.inference),
+    ("data-parallel", "cpu", timing.data_parallel),  # 8 CPU devices in a child process
+    ("reduce-dtype", "cpu", training.reduce_dtype),  # the same
+    ("reduce-dtype-h100", "h100x8", training.reduce_dtype_h100),
+    ("convergence", "cpu", training.memory_convergence),
+    # Issue 29: per-GPU memory by switch (GPT-2 FSDP), the fused loss alone, the char-LM row.
+    ("memory-switches", "h100x8", memory_switches),
+    ("memory-switches-char-lm", "cpu", training.memory_switches_char_lm),
+    ("lce-loss", "h100x8", hlo.lce_loss),
+    ("kernels-gpu", "gpu", gpu.kernels_gpu),
+    # Issue 30: the forms of a blockwise fp8 GEMM on Hopper (the Pallas kernel ships).
+    ("blockwise-hopper", "h100", hlo.blockwise_hopper_cost),
+    ("blocks-convergence", "cpu", training.blocks_convergence),
 )
 
 

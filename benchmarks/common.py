@@ -1,8 +1,9 @@
-"""Shared helpers for the benchmarks: interleaved timing, medians and ranges, XLA cost analysis.
+"""Shared helpers for the benchmarks: interleaved timing, medians and ranges, XLA cost analysis,
+a study's table, a function run with N host devices.
 
-A study script of this folder (`benchmarks/studies.py`) exposes `run(quick: bool = False)
--> dict` returning `{"title": str, "columns": [...], "rows": [[...], ...], "notes": str}`;
-it may raise `Skip("reason")` to be recorded as skipped with that reason.
+A study (a case of `benchmarks/cases.py`'s `STUDIES`) is `measure(case, quick) -> dict`
+returning `table(title, columns, rows, notes, **details)`; it may raise `Skip("reason")`
+to be recorded as skipped with that reason.
 
 Example:
   >>> times = interleaved_times({"a": step_a, "b": step_b}, rounds=7, steps_per_round=5)
@@ -30,7 +31,9 @@ __all__ = [
     "interleaved_times",
     "machine_info",
     "paired_ratio",
+    "in_child",
     "summary",
+    "table",
 ]
 
 
@@ -235,3 +238,50 @@ def check_result(result: Any) -> None:
                     f"benchmark result: row {i} has a {type(cell).__name__} cell; "
                     "cells are str, int or float"
                 )
+
+
+def table(title: str, columns: list, rows: list, notes: str, **extra: Any) -> dict:
+    """A study's figures: its table (`check_result`'s contract) and any `extra` details."""
+    result = {"title": title, "columns": columns, "rows": rows, "notes": notes, **extra}
+    check_result(result)
+    return result
+
+
+_MARK = "BENCHMARK_CHILD_RESULT "
+
+
+def in_child(fn: Callable[[bool], Any], quick: bool, devices: int = 8, **env: str) -> Any:
+    """`fn(quick)` (a module-level function returning JSON data) run in a child python with
+    `devices` host devices (XLA fixes the count when jax starts) and `env` set; its result."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, **env}
+    flag = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+    module = sys.modules[fn.__module__].__file__  # by its file: a test's module has no package
+    cmd = [sys.executable, "-m", "benchmarks.common", module, fn.__name__]
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        cmd + ["--quick"] * quick, env=env, capture_output=True, text=True, cwd=root
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith(_MARK)]
+    if out.returncode or not lines:
+        raise RuntimeError(
+            f"{fn.__name__} in a child failed ({out.returncode}):\n{out.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len(_MARK) :])
+
+
+if __name__ == "__main__":  # the child of `in_child`: module file, function, [--quick]
+    import importlib.util
+    import json
+    import sys
+
+    _spec = importlib.util.spec_from_file_location("_in_child", sys.argv[1])
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    _fn = getattr(_module, sys.argv[2])
+    print(_MARK + json.dumps(_fn("--quick" in sys.argv)), flush=True)

@@ -1,8 +1,7 @@
 """Where the memory of a GPT-2-small FSDP train step goes, and what each mpjax switch saves.
 
 The suite's `memory-switches` case (8 deviceless H100s, one FSDP axis, 8 sequences of 1024
-per GPU), and `memory-switches-char-lm` (the char-LM example with and without fp8 saved
-activations):
+per GPU; its char-LM row, `memory-switches-char-lm`, is in `benchmarks/training_studies.py`):
 
     python benchmarks/run.py --only memory-switches --resume
 
@@ -23,7 +22,7 @@ against roofline time for every row (`benchmarks/tables.plot_frontier`).
 A switch is a function `Knobs -> Knobs` in `SWITCHES` (a few lines): it changes the
 policy, the LM's fields, the loss or the training state. A switch or anchor whose code is
 not on this branch is reported as such (see `PENDING`, `ANCHORS`). `--quick`: the quick LM
-(`quickx8`) and the char-LM's quick sizes.
+(`quickx8`).
 """
 
 from __future__ import annotations
@@ -314,31 +313,6 @@ def measure(name: str, build: Callable, cfg: dict) -> dict:
     }
 
 
-def char_lm(quick: bool, seeds: int) -> dict:
-    """Validation bits/byte of the char-LM example, bf16, with and without fp8 saved inputs."""
-    from benchmarks.memory_convergence import QUICK_CHAR_LM
-    from examples.train_char_lm import CharLMConfig, load_corpus, make_train_fns, train
-
-    corpus = load_corpus(200_000 if quick else 2_000_000)
-    sizes = QUICK_CHAR_LM if quick else {}
-    out = {}
-    for label, saved in (("bf16", None), ("bf16 + fp8 saved activations", E4M3)):
-        config = CharLMConfig(precision="bf16", saved_activations=saved, **sizes)
-        fns = make_train_fns(config)
-        runs = [train(config, s, corpus=corpus, fns=fns).metric for s in range(seeds)]
-        out[label] = {"bits_per_byte": runs, "mean": float(np.mean(runs))}
-        print(f"[memory-switches] char-LM {label}: {runs}", file=sys.stderr, flush=True)
-    ref, fp8 = (v["mean"] for v in out.values())
-    flags = " --saved-activations float8_e4m3fn"
-    return {
-        "runs": out,
-        "ratio": fp8 / ref,
-        "steps": CharLMConfig(**sizes).steps,
-        "seeds": seeds,
-        "command": f"python examples/train_char_lm.py --precisions bf16 --seeds {seeds}[{flags}]",
-    }
-
-
 def _gib(x: float) -> float:
     return round(x / GIB, 3)
 
@@ -420,20 +394,6 @@ def compile_rows(quick: bool, only: tuple[str, ...] = ()) -> dict:
     }
 
 
-def run(quick: bool = False) -> dict:
+def memory_switches(case=None, quick: bool = False) -> dict:
     """The per-switch table (the suite's `memory-switches` case, on 8 deviceless H100s)."""
     return compile_rows(quick)
-
-
-def run_char_lm(quick: bool = False, seeds: int = 1) -> dict:
-    """The char-LM convergence row as a table (the suite's `memory-switches-char-lm` case)."""
-    lm = char_lm(quick, seeds)
-    rows = [[k, round(v["mean"], 4), v["bits_per_byte"]] for k, v in lm["runs"].items()]
-    return {
-        "title": "char-LM validation bits/byte, bf16 with and without fp8 saved activations",
-        "columns": ["mode", "bits/byte (mean)", "runs"],
-        "rows": rows,
-        "notes": f"{lm['steps']} steps, {seeds} seed(s); fp8 / bf16 = {lm['ratio']:.4f}; "
-        f"{lm['command']}",
-        "details": lm,
-    }

@@ -8,7 +8,7 @@
   mode's dtype) and as optimizer steps on the LM's params (model `opt-lm`);
 - `OPT_VARIANTS` (model `opt-blocks`, 120 leaves): one optimizer step, gradients given,
   under bare optax, the Flax DynamicScale pattern, `apply_if_finite`, `loss_scaled`;
-- `MLP_VARIANTS` (model `mlp`): the full fp16 train step of `benchmarks/step_overhead.py`'s
+- `MLP_VARIANTS` (model `mlp`): the full fp16 train step of `benchmarks/timing_studies.py`'s
   MLP under each loss-scaling pattern.
 """
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 import mpjax
-from benchmarks import step_overhead as so
+from benchmarks import timing_studies as so
 from benchmarks.train_models import LM
 from benchmarks.train_variants import (
     FP16,
@@ -291,21 +291,13 @@ OPT_LM_VARIANTS = MappingProxyType(
 )
 
 
-# --- the fp16 MLP train step of step_overhead.py -------------------------------------------
+# --- the fp16 MLP train step of `timing_studies.step_overhead` -----------------------------
 
 
-def _pallas_train_step(state, batch):
-    """`step_overhead.mpjax_step` with the finite check forced onto the Pallas kernel."""
-    params, opt_state = state
-    tx = mpjax.loss_scaled(optax.adam(so.LR), impl="pallas")
-
-    def scaled(p):
-        loss = so.loss_fn(p, batch)
-        return mpjax.scale_loss(loss, opt_state), loss
-
-    grads, loss = jax.grad(scaled, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+# `mpjax_step` with the finite check forced onto the Pallas kernel
+_pallas_train_step = so._opt_step(
+    lambda: mpjax.loss_scaled(optax.adam(so.LR), impl="pallas"), mpjax.scale_loss
+)
 
 
 def _mlp(init_fn, step):

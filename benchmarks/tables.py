@@ -618,7 +618,7 @@ def _rounded(rows: list[list]) -> list[list]:
 
 
 def _reduce_dtype_pages(records) -> dict[str, str]:
-    from benchmarks.reduce_dtype import SUM_COLUMNS, TRAIN_COLUMNS
+    from benchmarks.training_studies import SUM_COLUMNS, TRAIN_COLUMNS
 
     f = records[0]["figures"]
     short = markdown_table(SUM_COLUMNS, _rounded(f["sum"])) + "\n"

@@ -25,7 +25,17 @@ import jax.numpy as jnp
 
 import mpjax
 
-__all__ = ["LM", "LM_SIZES", "RESNET_SIZES", "ConvBNResNet", "ResNet", "cudnn_attention"]
+__all__ = [
+    "LM",
+    "LM_SIZES",
+    "RESNET_SIZES",
+    "ConvBNResNet",
+    "ResNet",
+    "SmallCNN",
+    "SmallResNet",
+    "TransformerBlock",
+    "cudnn_attention",
+]
 
 RESNET_SIZES = {
     # ResNet-50, ImageNet-shaped, batch 128.
@@ -270,3 +280,97 @@ class LM(nn.Module):
         if self.hidden_only:
             return x
         return nn.Dense(self.vocab, name="head", use_bias=self.head_bias, **kw)(x)
+
+
+# --- the small models of the CPU studies (`benchmarks/hlo_studies.py`, `timing_studies.py`) ---
+
+
+class _ResBlock(nn.Module):
+    features: int
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        norm = partial(nn.BatchNorm, use_running_average=not train, dtype=self.dtype)
+        conv = partial(nn.Conv, self.features, (3, 3), use_bias=False, dtype=self.dtype)
+        y = nn.relu(norm()(conv()(x)))
+        return nn.relu(x + norm()(conv()(y)))
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU stem, `blocks` residual blocks of two Conv-BN, global pool, Dense head."""
+
+    features: int
+    blocks: int = 1
+    classes: int = 10
+    dtype: Any = None  # None: the inputs' (a Flax bf16 model: bfloat16)
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x))
+        for _ in range(self.blocks):
+            x = _ResBlock(self.features, self.dtype)(x, train)
+        return nn.Dense(self.classes, dtype=self.dtype)(x.mean(axis=(1, 2)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN transformer block (attention, GELU MLP); with `classes`, a LayerNorm + Dense head."""
+
+    heads: int
+    classes: int | None = None
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(h, h)
+        h = nn.gelu(nn.Dense(4 * x.shape[-1], dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x)))
+        x = x + nn.Dense(x.shape[-1], dtype=self.dtype)(h)
+        if self.classes is None:
+            return x
+        return nn.Dense(self.classes)(nn.LayerNorm()(x))
+
+
+class _Block(nn.Module):
+    features: int
+    strides: int = 1
+    convbn: bool = False
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        s = (self.strides, self.strides)
+        project = x.shape[-1] != self.features or self.strides != 1
+        if self.convbn:  # the same block from mpjax.nn.ConvBN layers
+            cb = partial(mpjax.nn.ConvBN, use_running_average=not train)
+            y = cb(self.features, strides=s)(x)
+            if project:
+                x = cb(self.features, (1, 1), strides=s, activation="none")(x)
+            return cb(self.features)(y, residual=x)
+        bn = partial(nn.BatchNorm, use_running_average=not train)
+        y = nn.relu(bn()(nn.Conv(self.features, (3, 3), s, use_bias=False)(x)))
+        y = bn()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
+        if project:
+            x = bn()(nn.Conv(self.features, (1, 1), s, use_bias=False)(x))
+        return nn.relu(x + y)
+
+
+class SmallResNet(nn.Module):
+    """Stem, two basic residual blocks per width (projection shortcuts), pool, Dense head;
+    `convbn`: every Conv + BatchNorm (+ residual + ReLU) as one `mpjax.nn.ConvBN`."""
+
+    widths: tuple[int, ...] = (16, 32)
+    classes: int = 10
+    convbn: bool = False
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        if self.convbn:
+            x = mpjax.nn.ConvBN(self.widths[0], use_running_average=not train)(x)
+        else:
+            x = nn.Conv(self.widths[0], (3, 3), use_bias=False)(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+        for i, w in enumerate(self.widths):
+            x = _Block(w, strides=1 if i == 0 else 2, convbn=self.convbn)(x, train)
+            x = _Block(w, convbn=self.convbn)(x, train)
+        return nn.Dense(self.classes)(x.mean(axis=(1, 2)))

@@ -132,3 +132,25 @@ def test_quick_suite_writes_step_overhead_table(tmp_path):
     if jax.default_backend() != "gpu":
         assert gpu["status"] == "skipped" and "GPU" in gpu["reason"]
     assert data["quick"] and data["command"].startswith("python benchmarks/run.py --quick")
+
+
+def device_count(quick: bool) -> dict:
+    """Run by `in_child` below (a module-level function of an importable module)."""
+    return {"devices": jax.device_count(), "quick": quick}
+
+
+def fails(quick: bool) -> None:
+    raise ValueError("this child fails")
+
+
+def test_in_child_runs_a_function_with_n_host_devices():
+    got = common.in_child(device_count, True, devices=3, JAX_PLATFORMS="cpu")
+    assert got == {"devices": 3, "quick": True}
+    with pytest.raises(RuntimeError, match=r"(?s)fails in a child failed \(1\).*this child fails"):
+        common.in_child(fails, False, devices=2, JAX_PLATFORMS="cpu")
+
+
+def test_table_checks_the_study_contract():
+    assert common.table("t", ["a"], [[1]], "n", details={"x": 1})["details"] == {"x": 1}
+    with pytest.raises(ValueError, match="row 0 has 2 cells"):
+        common.table("t", ["a"], [[1, 2]], "n")

@@ -1,5 +1,5 @@
 """The memory figures of the suite: the committed results' bytes per parameter per mode, and
-the convergence study (`benchmarks/memory_convergence.py`).
+the convergence study (`benchmarks/training_studies.py`'s `memory_convergence`).
 
 The convergence study runs here in quick form (small models, short runs): its structure,
 the bytes per parameter of each mode's trained state, and that the char-LM with a float32
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import memory_convergence, tables
+from benchmarks import tables
+from benchmarks import training_studies as memory_convergence
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +61,7 @@ STATE_BYTES = {
 
 @pytest.fixture(scope="module")
 def quick():
-    return memory_convergence.run(True, char_lm_seeds=1, digits_seeds=2)
+    return memory_convergence.memory_convergence(None, True, char_lm_seeds=1, digits_seeds=2)
 
 
 def test_quick_convergence_rows(quick):
