@@ -20,7 +20,6 @@ from mpjax._src.fp8.blocks import (
     _E4M3_MAX,
     _TINY,
     _exp2,
-    _magnitude,
     _pow2_at_least,
 )
 
@@ -57,8 +56,7 @@ def e4m3_bits(v: jax.Array) -> jax.Array:
     # normal: round the mantissa to 3 bits (ties to even), rebias 127 -> 7
     normal = ((a + _U32(0x7FFFF) + ((a >> 20) & _U32(1))) >> 20) - _U32(120 << 3)
     # subnormal (below 2**-6): the float32 addition rounds |v| to a multiple of 2**-9
-    magic = _F32(2.0**14)
-    sub = _bits(jnp.abs(v.astype(_F32)) + magic) - _bits(magic)
+    sub = _bits(jnp.abs(v.astype(_F32)) + _F32(2.0**14)) - _U32(0x46800000)  # 2**14's bits
     mag = jnp.where(a >= _U32(121 << 23), normal, sub)
     mag = jnp.where(jnp.isnan(v), _U32(0x7F), mag)
     return (sign | mag).astype(jnp.uint8)
@@ -137,4 +135,3 @@ def nvfp4_tile(xf, amax, tensor_scale, uniform, *, interpret: bool):
     v = jnp.where(jnp.isinf(ratio), div(xf * t, block_scale), xf * ratio)
     v = jnp.where(block_scale == 0, 0.0, jnp.clip(v, -_E2M1_MAX, _E2M1_MAX))
     return _round_e2m1(v, uniform, interpret), scale
-

@@ -40,7 +40,7 @@ from mpjax._src.fp8.blocks import (
     hash_uniform,
     nvfp4_tensor_scale,
 )
-from mpjax._src.fp8.hadamard import hadamard_runs, hadamard_signs, random_hadamard
+from mpjax._src.fp8.hadamard import hadamard_signs, random_hadamard
 from mpjax._src.kernels.block_codes import blockwise_tile, mxfp8_tile, nvfp4_tile
 from mpjax._src.kernels.common import MAX_ELEMENTS
 
@@ -80,6 +80,16 @@ def _at(rows, cols) -> tuple[jax.Array, jax.Array]:
     `pl.ds` has no interpret-mode rule; index arrays lower to the same Triton pointers)."""
     rows, cols = jnp.broadcast_arrays(jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32))
     return rows, cols
+
+
+def _signs(signs: np.ndarray, pr: int, r: int) -> jax.Array:
+    """Column `r` of `signs` (`hadamard_signs()`) at rows `pr::2`, as float32 `[8, 1]`, from
+    iotas (a kernel captures no array constants): Sylvester's sign `(-1)**popcount(s & r)`
+    times the random sign of `r`."""
+    v = (pr + 2 * _iota(8, 1, 0)) & r
+    odd = (v ^ (v >> 1) ^ (v >> 2) ^ (v >> 3)) & 1
+    flip = float(signs[0, r])  # row 0 of H16 is all ones: the random sign of r
+    return jnp.where(odd == 1, _F32(-flip), _F32(flip))
 
 
 def _store(ref, value, mask):
@@ -127,7 +137,8 @@ def _dense_kernel(x_ref, *outs, scaling, sb, n, two_d, make_rows, columns, shape
 
 def _fp4_kernel(x_ref, ts_ref, *refs, two_d, make_rows, columns, hadamard, seeded, shape,
                 m_cols, interpret):  # fmt: skip
-    """NVFP4 on one 16x16 tile, as 32 pieces: row `r`'s even (`p=0`) or odd elements."""
+    """NVFP4 on one 16x16 tile, held as its four 8x8 parity quadrants `q[pr][pc]` (rows
+    `pr::2`, columns `pc::2`): the fp4 pairs along K and along M are then whole tensors."""
     i, j = pl.program_id(0), pl.program_id(1)
     it = iter(refs)
     seed = next(it)[pl.ds(0, 1)].reshape(1, 1) if seeded else None
@@ -136,62 +147,73 @@ def _fp4_kernel(x_ref, ts_ref, *refs, two_d, make_rows, columns, hadamard, seede
     cs = next(it) if columns and (hadamard or not two_d) else None
     t_rows = ts_ref[pl.ds(0, 1)].reshape(1, 1)
     t_cols = ts_ref[pl.ds(1, 1)].reshape(1, 1)
-    col = [j * 16 + p + 2 * lax.broadcasted_iota(jnp.int32, (1, 8), 1) for p in (0, 1)]
-    x = [[None, None] for _ in range(16)]
-    for r in range(16):
-        for p in (0, 1):
-            mask = (i * 16 + r < shape[0]) & (col[p] < shape[1])
-            v = pltriton.load(x_ref.at[_at(r, p + 2 * _iota(1, 8, 1))], mask=mask, other=0)
-            x[r][p] = jnp.where(mask, v.astype(_F32), 0.0)
+    lane = _iota(8, 8, 1)  # the tile's pair index along K (or M, transposed)
+    half = _iota(8, 8, 0)
 
-    def row_max(v):
-        return jnp.max(_magnitude(v), axis=1, keepdims=True)
+    def load(rows, cols):
+        mask = (i * 16 + rows < shape[0]) & (j * 16 + cols < shape[1])
+        v = pltriton.load(x_ref.at[_at(rows, cols)], mask=mask, other=0)
+        return jnp.where(mask, v.astype(_F32), 0.0)
+
+    q = [[load(pr + 2 * half, pc + 2 * lane) for pc in (0, 1)] for pr in (0, 1)]
+
+    def absmax(v, axis):
+        return jnp.max(_magnitude(v), axis=axis, keepdims=True)
 
     def quant(v, amax, t, uniform=None):
         return nvfp4_tile(v, amax, t, uniform, interpret=interpret)
 
-    if make_rows:
-        amax = [jnp.maximum(row_max(x[r][0]), row_max(x[r][1])) for r in range(16)]
+    if make_rows:  # per row: 16 elements, the quadrants q[pr][0] and q[pr][1]
+        amax = [jnp.maximum(absmax(q[pr][0], 1), absmax(q[pr][1], 1)) for pr in (0, 1)]
         if two_d:
-            amax = [functools.reduce(jnp.maximum, amax)] * 16
-        byte_ok = j * 8 + lax.broadcasted_iota(jnp.int32, (1, 8), 1) < shape[1] // 2
-        for r in range(16):
-            low, scale = quant(x[r][0], amax[r], t_rows)
-            high, _ = quant(x[r][1], amax[r], t_rows)
-            row_ok = i * 16 + r < shape[0]
-            _store(rd.at[pl.ds(r, 1), :], low | (high << 4), row_ok & byte_ok)
+            amax = [absmax(jnp.maximum(amax[0], amax[1]), 0)] * 2
+        byte_ok = j * 8 + lane < shape[1] // 2
+        for pr in (0, 1):
+            low, scale = quant(q[pr][0], amax[pr], t_rows)
+            high, _ = quant(q[pr][1], amax[pr], t_rows)
+            row_ok = i * 16 + pr + 2 * half < shape[0]
+            _store(rd.at[_at(pr + 2 * half, lane)], low | (high << 4), row_ok & byte_ok)
             if not two_d:
-                _store(rs.at[pl.ds(r, 1), :], scale, row_ok)
+                ok = i * 16 + pr + 2 * _iota(8, 1, 0) < shape[0]
+                _store(rs.at[_at(pr + 2 * _iota(8, 1, 0), 0)], scale, ok)
         if two_d:
             rs[...] = scale.astype(rs.dtype)
     if not columns:
         return
-    if hadamard:
+    if hadamard:  # c_s = (+-x_0 +- x_1 ... +- x_15) / 4 in that order (`hadamard_runs`)
         signs = hadamard_signs()
-        c = list(zip(*(hadamard_runs([x[r][p] for r in range(16)], signs) for p in (0, 1))))
+        c = [[None, None], [None, None]]
+        for pc in (0, 1):
+            xs = [load(jnp.full((1, 8), r, jnp.int32), pc + 2 * _iota(1, 8, 1)) for r in range(16)]
+            for pr in (0, 1):
+                sign = [_signs(signs, pr, r) for r in range(16)]
+                acc = sign[0] * xs[0]
+                for r in range(1, 16):
+                    acc = acc + sign[r] * xs[r]  # = acc +- x_r exactly
+                c[pr][pc] = acc * _F32(0.25)
     else:
-        c = x
+        c = q
     t = t_cols if hadamard else t_rows
+    amax = [jnp.maximum(absmax(c[0][pc], 0), absmax(c[1][pc], 0)) for pc in (0, 1)]
     if two_d:
-        amax = [functools.reduce(jnp.maximum, [row_max(c[s][p]) for s in range(16) for p in (0, 1)])] * 2
-    else:
-        amax = [functools.reduce(jnp.maximum, [_magnitude(c[s][p]) for s in range(16)]) for p in (0, 1)]
-    for p in (0, 1):
-        k_ok = (col[p] < shape[1]).T
+        amax = [absmax(jnp.maximum(amax[0], amax[1]), 1)] * 2
+    for pc in (0, 1):
+        k = j * 16 + pc + 2 * lane  # [8 (M pairs), 8 (K)]
         codes = []
-        for s in range(16):
+        for pr in (0, 1):
             uniform = None
             if seeded:
-                index = col[p].astype(jnp.uint32) * jnp.uint32(m_cols % 2**32)
-                uniform = hash_uniform(seed, index + jnp.uint32(i * 16 + s))
-            code, scale = quant(c[s][p], amax[p], t, uniform)
+                m = (i * 16 + pr + 2 * half).astype(jnp.uint32)
+                index = k.astype(jnp.uint32) * jnp.uint32(m_cols % 2**32) + m
+                uniform = hash_uniform(seed, index)
+            code, scale = quant(c[pr][pc], amax[pc], t, uniform)
             codes.append(code)
-        for h in range(8):
-            byte = (codes[2 * h] | (codes[2 * h + 1] << 4)).T
-            ok = k_ok & (i * 8 + h < m_cols // 2)
-            _store(cd.at[_at(p + 2 * _iota(8, 1, 0), h)], byte, ok)
+        byte = (codes[0] | (codes[1] << 4)).T  # [8 (K), 8 (M pairs)]
+        ok = (k < shape[1]).T & (i * 8 + lane < m_cols // 2)
+        _store(cd.at[_at(pc + 2 * half, lane)], byte, ok)
         if cs is not None and not two_d:
-            _store(cs.at[_at(p + 2 * _iota(8, 1, 0), 0)], scale.T, k_ok)
+            k_ok = j * 16 + pc + 2 * _iota(8, 1, 0) < shape[1]
+            _store(cs.at[_at(pc + 2 * _iota(8, 1, 0), 0)], scale.T, k_ok)
     if cs is not None and two_d:
         cs[...] = scale.astype(cs.dtype)
 
