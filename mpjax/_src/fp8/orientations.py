@@ -156,7 +156,9 @@ def quantize_orientations(
         columns=columns,
         column_hadamard=column_hadamard,
     )
-    reason = unsupported(x, scaling, role, rows, columns, column_hadamard)
+    reason = unsupported(
+        x, scaling, role, rows, columns, column_hadamard, column_seed is not None, impl
+    )
 
     def block_quantize(x, column_seed):
         return dispatch(
