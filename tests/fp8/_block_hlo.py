@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from mpjax._src.analysis.target import (  # noqa: E402
     h100_topology,
     lower_step,
 )
+from mpjax._src.kernels.block_quantize import KERNEL_NAME as QUANTIZE  # noqa: E402
 
 B, T, D, H, V = 4, 128, 512, 4, 2048
 
@@ -81,9 +83,13 @@ def step_gemms(
         lowered = lower_step(jax.value_and_grad(loss), shapes, sharding, donate_argnums=())
     else:
         lowered = jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower()
-    report = hlo_cost.analyze(lowered.compile().as_text())
+    text = lowered.compile().as_text()
+    report = hlo_cost.analyze(text)
     gemms = [[g.lhs_dtype, g.rhs_dtype, g.op_name] for g in report.gemms]
-    return {"flops": dict(report.gemm_flops), "gemms": gemms}
+    # the fused quantiser's launches (Triton custom calls named so) and their bytes
+    names = set(re.findall(rf"%?([\w.\-]+) = [^\n]*__gpu\$xla\.gpu\.triton[^\n]*{QUANTIZE}", text))
+    quantize = [k.bytes for k in report.kernels if k.name in names]
+    return {"flops": dict(report.gemm_flops), "gemms": gemms, "quantize": quantize}
 
 
 def main() -> None:

@@ -289,6 +289,7 @@ def block_scaled_dot_general(
     _check_native(recipe)
     lhs, rhs = match_varying(lhs, rhs)  # under shard_map(check_vma=True)
     native = native_block_gemms(recipe, lhs, rhs)
+    impl = "auto" if native else "xla"  # native: the fused quantiser kernel on CUDA GPUs
     w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"
     a_shape, a_dtype, a_sharding = lhs.shape, lhs.dtype, _sharding(lhs)
@@ -300,9 +301,9 @@ def block_scaled_dot_general(
         # of `a` ([K, M] along the tokens) is the weight gradient's, kept for the backward in
         # place of `a`; the rows copy of `b` ([K, N] along N) is the input gradient's
         qa = quantize_orientations(
-            _as_rows(a, lc), recipe, columns=a_sharding is None, column_hadamard=nvfp4
+            _as_rows(a, lc), recipe, columns=a_sharding is None, column_hadamard=nvfp4, impl=impl
         )
-        qb = quantize_orientations(_contracted_rows(b, rc), recipe, role=w_role)
+        qb = quantize_orientations(_contracted_rows(b, rc), recipe, role=w_role, impl=impl)
         out = _gemm(recipe, qa.rows, qb.columns, native, compute)
         a_free = [a.shape[i] for i in range(a.ndim) if i not in lc]
         b_free = [b.shape[i] for i in range(b.ndim) if i not in rc]
@@ -318,10 +319,12 @@ def block_scaled_dot_general(
         b_in = None if isinstance(kept_b, BlockQuantized) else kept_b
         if not isinstance(kept_a, BlockQuantized):
             a_mk = _as_rows(_replicated(kept_a), lc)
-            kept_a = quantize_orientations(a_mk, recipe, rows=False, column_hadamard=nvfp4).columns
+            kept_a = quantize_orientations(
+                a_mk, recipe, rows=False, column_hadamard=nvfp4, impl=impl
+            ).columns
         if not isinstance(kept_b, BlockQuantized):
             b_kn = _contracted_rows(_replicated(kept_b), rc)
-            kept_b = quantize_orientations(b_kn, recipe, role=w_role, columns=False).rows
+            kept_b = quantize_orientations(b_kn, recipe, role=w_role, columns=False, impl=impl).rows
         g = _replicated(g)
         na = len(a_shape) - len(lc)
         g_rows = g.reshape(int(np.prod(g.shape[:na])), -1)  # [M, N]
@@ -333,6 +336,7 @@ def block_scaled_dot_general(
             role="gradient",
             column_hadamard=nvfp4,
             column_seed=gradient_seed(g) if nvfp4 else None,
+            impl=impl,
         )
         # input gradient: g [M, N] . (w as [K, N])^T, both along N
         da = _gemm(recipe, qg.rows, kept_b, native, compute)  # [M, K]

@@ -246,13 +246,17 @@ def _round_e2m1(v: jax.Array, uniform: jax.Array | None) -> jax.Array:
     return (jnp.sign(v) * jnp.minimum(low + ulp * up, _E2M1_MAX)).astype(jnp.float4_e2m1fn)
 
 
-def _quantize_nvfp4(xf, amax_b, block, uniform):
-    amax_t = jnp.max(_magnitude(xf))
+def nvfp4_tensor_scale(amax_t: jax.Array) -> jax.Array:
+    """NVFP4's float32 tensor scale `448 * 6 / amax_t` (1 for 0, NaN for a non-finite amax)."""
     # 2688 / amax overflows for amax below ~8e-36, and its reciprocal flushes to zero below
     # ~6e-35: at most 2**125 (block scales below amax_t / 2**20 then shrink, as they do)
     t = jnp.minimum(_F32(_E4M3_MAX * _E2M1_MAX) / amax_t, _F32(_TENSOR_SCALE_MAX))
     tensor_scale = jnp.where(amax_t == 0, _F32(1.0), t)
-    tensor_scale = jnp.where(jnp.isfinite(amax_t), tensor_scale, jnp.nan).astype(_F32)
+    return jnp.where(jnp.isfinite(amax_t), tensor_scale, jnp.nan).astype(_F32)
+
+
+def _quantize_nvfp4(xf, amax_b, block, uniform):
+    tensor_scale = nvfp4_tensor_scale(jnp.max(_magnitude(xf)))
     # the spec's amax / 6 * t, unless amax / 6 would flush to zero (amax below ~7e-38)
     decode = jnp.where(
         amax_b < _F32(_E2M1_MAX * _TINY),

@@ -20,6 +20,7 @@ the rows copy transposed, scales included, as DeepSeek-V3 relies on. Each copy i
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -34,6 +35,8 @@ from mpjax._src.fp8.blocks import (
     quantize_with_blocks,
 )
 from mpjax._src.fp8.hadamard import random_hadamard
+from mpjax._src.kernels.block_quantize import quantize_orientations_kernel, unsupported
+from mpjax._src.kernels.dispatch import check_impl, dispatch
 
 __all__ = ["QUANTIZE_NAME", "OrientedBlocks", "quantize_orientations", "transpose_blocks"]
 
@@ -94,6 +97,7 @@ def quantize_orientations(
     columns: bool = True,
     column_hadamard: bool = False,
     column_seed: jax.Array | None = None,
+    impl: str = "xla",
 ) -> OrientedBlocks:
     """Block-quantises a 2-D `x` `[M, K]` along `K` (rows) and along `M` (columns), once.
 
@@ -106,6 +110,11 @@ def quantize_orientations(
       column_hadamard: rotate the columns copy with `random_hadamard` along `M` first (its
         `M` is then padded to a multiple of 16).
       column_seed: a uint32 seed: round the columns copy's NVFP4 elements stochastically.
+      impl: `"xla"` (the reference), `"pallas"` (the fused kernel,
+        `mpjax._src.kernels.block_quantize`: one read of `x` writes both copies), `"interpret"`
+        (that kernel in Pallas interpret mode) or `"auto"` (the kernel on CUDA GPUs, the
+        reference elsewhere); inputs the kernel does not take (dtypes other than bfloat16
+        and float32, odd NVFP4 extents) go to the reference under `"auto"`.
 
     Returns:
       An `OrientedBlocks`; each copy equals `quantize_blocks` of the oriented tensor.
@@ -131,10 +140,34 @@ def quantize_orientations(
             f"{scaling} rounds to nearest even"
         )
     block_shape(scaling, 2, 1, role)  # validates role
+    check_impl(impl, "quantize_orientations")
 
-    def block_quantize(x, column_seed):
+    def reference(x, column_seed):
         return _reference(
             x, scaling, power_of_two, role, rows, columns, column_hadamard, column_seed
+        )
+
+    kernel = functools.partial(
+        quantize_orientations_kernel,
+        scaling=scaling,
+        power_of_two=power_of_two,
+        role=role,
+        rows=rows,
+        columns=columns,
+        column_hadamard=column_hadamard,
+    )
+    reason = unsupported(
+        x, scaling, role, rows, columns, column_hadamard, column_seed is not None, impl
+    )
+
+    def block_quantize(x, column_seed):
+        return dispatch(
+            "quantize_orientations",
+            impl,
+            (x, column_seed),
+            kernel=kernel,
+            reference=reference,
+            unsupported=reason,
         )
 
     block_quantize.__name__ = QUANTIZE_NAME
