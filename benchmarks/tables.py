@@ -668,24 +668,34 @@ def pages(results: dict) -> dict[str, str]:
     return out
 
 
+def with_records(results: dict, *paths: Path | None) -> dict:
+    """`results` with the records of each results file in `paths` (those that exist) in place
+    of its records of the same name: the real-GPU file `benchmarks/gpu.py` writes, and the
+    files one `run.py --only ... --json` command wrote for a table re-measured since the
+    suite's full run."""
+    for path in paths:
+        if path is None or not Path(path).exists():
+            continue
+        newer = json.loads(Path(path).read_text())["records"]
+        names = {r["name"] for r in newer}
+        results = {**results, "records": [r for r in results["records"] if r["name"] not in names]}
+        results["records"] += newer
+    return results
+
+
 def with_gpu_records(results: dict, gpu_json: Path | None) -> dict:
-    """`results` with its real-GPU records replaced by those of `gpu_json` (the file
-    `benchmarks/gpu.py` writes on a GPU), when that file exists."""
-    if gpu_json is None or not Path(gpu_json).exists():
-        return results
-    gpu = json.loads(Path(gpu_json).read_text())["records"]
-    names = {r["name"] for r in gpu}
-    return {**results, "records": [r for r in results["records"] if r["name"] not in names] + gpu}
+    """`results` with its real-GPU records replaced by those of `gpu_json`."""
+    return with_records(results, gpu_json)
 
 
 # The short table each page leads with: `lead_<page>.md`.
 LEADS = {"performance": lead_performance, "memory": lead_memory, "fp8": lead_fp8}
 
 
-def write_docs(results_json: Path, out_dir: Path, gpu_json: Path | None = None) -> list[Path]:
-    """Writes the pages and plots of `results_json` (its real-GPU records from `gpu_json`)
-    into `out_dir`; returns the paths."""
-    results = with_gpu_records(json.loads(Path(results_json).read_text()), gpu_json)
+def write_docs(results_json: Path, out_dir: Path, *newer: Path | None) -> list[Path]:
+    """Writes the pages and plots of `results_json` (with the records of the `newer` results
+    files in place of its own, `with_records`) into `out_dir`; returns the paths."""
+    results = with_records(json.loads(Path(results_json).read_text()), *newer)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -708,5 +718,5 @@ def write_docs(results_json: Path, out_dir: Path, gpu_json: Path | None = None) 
 
 
 if __name__ == "__main__":
-    for p in write_docs(Path(sys.argv[1]), Path(sys.argv[2]), *map(Path, sys.argv[3:4])):
+    for p in write_docs(Path(sys.argv[1]), Path(sys.argv[2]), *map(Path, sys.argv[3:])):
         print(p)

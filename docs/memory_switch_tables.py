@@ -1,10 +1,12 @@
 """Writes the memory guide's "where the memory goes" tables from the suite's results file.
 
 Every figure comes from the `memory-switches` and `memory-switches-char-lm` records of
-`benchmarks/results.json` (`python benchmarks/run.py --only memory-switches --resume`);
-conf.py runs this at every build; the Markdown lands in `docs/_generated/` (git-ignored).
+`benchmarks/results.json`, the `memory-switches` one from `benchmarks/results-frontier.json`
+where that file has it (re-measured since the suite's full run); conf.py runs this at every
+build; the Markdown lands in `docs/_generated/` (git-ignored).
 
-    python docs/memory_switch_tables.py benchmarks/results.json docs/_generated
+    python docs/memory_switch_tables.py benchmarks/results.json docs/_generated \
+        benchmarks/results-frontier.json
 """
 
 from __future__ import annotations
@@ -146,13 +148,15 @@ def _figures(records: list[dict], table: str) -> dict | None:
     return ok[0]["figures"] if ok else None
 
 
-def write_memory_switch_tables(results_path: Path, out_dir: Path) -> list[Path]:
+def write_memory_switch_tables(results_path: Path, out_dir: Path, *newer: Path) -> list[Path]:
     """Writes `memory_where.md`, `memory_frontier.md` and `memory_switches.md` (a note where
-    the case is missing)."""
+    the case is missing), from `results_path` with the records of the `newer` results files
+    in place of its own."""
+    from benchmarks.tables import with_records
+
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    records = (
-        json.loads(Path(results_path).read_text())["records"] if Path(results_path).exists() else []
-    )
+    results = json.loads(Path(results_path).read_text()) if Path(results_path).exists() else {}
+    records = with_records({"records": results.get("records", [])}, *newer)["records"]
     result = _figures(records, "memory-switches")
     if result is None:
         text = "(not generated: run `python benchmarks/run.py --only memory-switches --resume`)\n"
