@@ -34,12 +34,12 @@ def _args():
 def test_gemm_inputs_saved_in_fp8_and_not_in_bf16_too():
     """Every activation input of a GEMM is an e4m3 residual, and no bf16 copy of it is kept:
     the [M, D] GEMM-to-GEMM value is saved only in fp8; of the [M, H] GELU hidden, only the
-    GELU's input survives in bf16 (the GELU is recomputed from it), as without the option
-    (there the GELU is recomputed with the GEMM that reads it)."""
+    GELU's input survives in bf16 (the GELU is recomputed from it), against five bf16
+    [M, H] values without the option."""
     args = _args()
     plain = residuals(mpjax.autocast(_mlp, PLAIN), *args)
     saved = residuals(mpjax.autocast(_mlp, SAVED), *args)
-    assert (BF16, (M, D)) in plain and plain.count((BF16, (M, H))) == 1
+    assert (BF16, (M, D)) in plain and plain.count((BF16, (M, H))) >= 2
     assert (E4M3, (M, D)) in saved and (E4M3, (M, H)) in saved
     assert (BF16, (M, D)) not in saved
     assert saved.count((BF16, (M, H))) == 1

@@ -30,7 +30,7 @@ from mpjax._src.analysis.target import (  # noqa: E402
     h100_topology,
     lower_step,
 )
-from mpjax._src.kernels.block_quantize import KERNEL_NAME as QUANTIZE  # noqa: E402
+from mpjax._src.fp8.block_quantize_kernel import KERNEL_NAME as QUANTIZE  # noqa: E402
 
 B, T, D, H, V = 4, 128, 512, 4, 2048
 

@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpjax._src.kernels.block_codes import e2m1_code, e4m3_bits
-from mpjax._src.kernels.block_quantize import unsupported
+from mpjax._src.fp8.block_codes import e2m1_code, e4m3_bits
+from mpjax._src.fp8.block_quantize_kernel import unsupported
 from mpjax.fp8 import quantize_orientations
 
 ROLES = ("activation", "weight", "gradient")

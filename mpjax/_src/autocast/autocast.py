@@ -37,7 +37,6 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend.core import DropVar, Jaxpr, Literal, jaxprs_in_params
 
-from mpjax._src.autocast.activation_regions import activation_regions, recomputed_region
 from mpjax._src.autocast.attention import attention_in
 from mpjax._src.autocast.fp8_hook import (
     check_autocast_recipe,
@@ -117,11 +116,7 @@ def _eval_jaxpr(
     watch = ctx.fp8 is not None or ctx.saved is not None
     producers = {v: e for e in jaxpr.eqns for v in e.outvars} if watch else {}
     chains = fp8_chains(ctx, jaxpr)
-    # Without fp8, an activation chain only a GEMM reads (gelu, SwiGLU) is evaluated with
-    # that GEMM, keeping only the chain's inputs for the backward (activation_regions).
-    regions = {} if watch else activation_regions(jaxpr, functools.partial(_lowered, ctx))
     deferred = {id(e) for chain in chains.values() for e in chain}
-    deferred |= {id(e) for chain, _ in regions.values() for e in chain}
 
     def read(atom):
         if isinstance(atom, Literal):
@@ -141,9 +136,6 @@ def _eval_jaxpr(
             continue
         if id(eqn) in chains:
             evaluate_chain(_eval_jaxpr, ctx, chains[id(eqn)], eqn.invars[0], env)
-        if id(eqn) in regions:
-            _evaluate_region(ctx, eqn, *regions[id(eqn)], env)
-            continue
         vals, flags = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
 
         def cast_in(i, dtype, eqn=eqn, vals=vals, flags=flags):
@@ -195,27 +187,6 @@ def _eval_jaxpr(
 def _lower(lists: OpLists, eqn) -> bool:
     """Whether the op lists run `eqn` in the compute dtype (an fp8 GEMM's precondition)."""
     return lists.category(eqn.primitive.name, eqn.params) == "lower"
-
-
-def _lowered(ctx: AutocastContext, eqn) -> bool:
-    """Whether `eqn` is a `dot_general` the op lists run in the compute dtype."""
-    return ctx.lists.category(eqn.primitive.name, eqn.params) == "lower"
-
-
-def _evaluate_region(ctx: AutocastContext, gemm, chain: list, inputs: list, env: dict) -> None:
-    """Evaluates an activation chain and its GEMM under the rules, recomputed in the VJP."""
-    origins = [env[v][1] for v in inputs]
-    found = []
-
-    def evaluate(region, vals):
-        outs, out_origins = _eval_jaxpr(ctx, region, (), vals, origins)
-        found.append(out_origins)
-        return outs
-
-    outs = recomputed_region(evaluate, chain, gemm, inputs)(*[env[v][0] for v in inputs])
-    for var, val, origin in zip(gemm.outvars, outs, found[0], strict=True):
-        if not isinstance(var, DropVar):
-            env[var] = (val, origin)
 
 
 def _wide(dtype: Any) -> bool:

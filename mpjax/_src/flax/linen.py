@@ -41,7 +41,6 @@ import numpy as np
 import flax.linen as nn
 from flax.linen.dtypes import promote_dtype
 from flax.linen.module import TestScope
-from mpjax._src.autocast.activation_regions import keep_activation_inputs
 from mpjax._src.core.policy import cast_floating
 from mpjax._src.flax.defaults import DEFAULTS, Defaults
 from mpjax._src.flax.float32_only import (
@@ -470,14 +469,8 @@ class PolicyModule(nn.Module):
         return super().init_with_output(rngs, *args, method=self._outer_method(method), **kwargs)
 
     def apply(self, variables, *args, method=None, **kwargs):
-        """`nn.Module.apply`; `method` names a method of the wrapped module.
-
-        Under a transformation, activation chains only a GEMM reads (gelu, SwiGLU) keep only
-        their inputs for the backward pass (`keep_activation_inputs`).
-        """
-        outer = self._outer_method(method)
-        apply = functools.partial(nn.Module.apply, self, method=outer)
-        return keep_activation_inputs(apply)(variables, *args, **kwargs)
+        """`nn.Module.apply`; `method` names a method of the wrapped module."""
+        return super().apply(variables, *args, method=self._outer_method(method), **kwargs)
 
 
 def apply_linen_policy(

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mpjax._src.core.dataclass import pytree_dataclass
+from mpjax._src.fp8.block_quantize_kernel import quantize_orientations_kernel, unsupported
 from mpjax._src.fp8.blocks import (
     BlockQuantized,
     _scaling_of,
@@ -35,25 +35,12 @@ from mpjax._src.fp8.blocks import (
     quantize_with_blocks,
 )
 from mpjax._src.fp8.hadamard import random_hadamard
-from mpjax._src.kernels.block_quantize import quantize_orientations_kernel, unsupported
+from mpjax._src.fp8.oriented import OrientedBlocks
 from mpjax._src.kernels.dispatch import check_impl, dispatch
 
 __all__ = ["QUANTIZE_NAME", "OrientedBlocks", "quantize_orientations", "transpose_blocks"]
 
 QUANTIZE_NAME = "block_quantize"  # the name of the quantise call in a jaxpr (one per tensor)
-
-
-@pytree_dataclass
-class OrientedBlocks:
-    """The copies of a 2-D tensor `x` `[M, K]` that its GEMMs read.
-
-    Attributes:
-      rows: `x` quantised along `K` (`[M, K]`), or None when not asked for.
-      columns: `x^T` quantised along `M` (`[K, M]`), or None when not asked for.
-    """
-
-    rows: BlockQuantized | None
-    columns: BlockQuantized | None
 
 
 def transpose_blocks(q: BlockQuantized) -> BlockQuantized:
@@ -111,7 +98,7 @@ def quantize_orientations(
         `M` is then padded to a multiple of 16).
       column_seed: a uint32 seed: round the columns copy's NVFP4 elements stochastically.
       impl: `"xla"` (the reference), `"pallas"` (the fused kernel,
-        `mpjax._src.kernels.block_quantize`: one read of `x` writes both copies), `"interpret"`
+        `mpjax._src.fp8.block_quantize_kernel`: one read of `x` writes both copies), `"interpret"`
         (that kernel in Pallas interpret mode) or `"auto"` (the kernel on CUDA GPUs, the
         reference elsewhere); inputs the kernel does not take (dtypes other than bfloat16
         and float32, odd NVFP4 extents) go to the reference under `"auto"`.

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from mpjax._src.fp8.block_codes import blockwise_tile, mxfp8_tile, nvfp4_tile
 from mpjax._src.fp8.blocks import (
     BlockQuantized,
     _magnitude,
@@ -41,7 +42,7 @@ from mpjax._src.fp8.blocks import (
     nvfp4_tensor_scale,
 )
 from mpjax._src.fp8.hadamard import hadamard_signs, random_hadamard
-from mpjax._src.kernels.block_codes import blockwise_tile, mxfp8_tile, nvfp4_tile
+from mpjax._src.fp8.oriented import OrientedBlocks
 from mpjax._src.kernels.common import MAX_ELEMENTS
 
 __all__ = ["KERNEL_NAME", "quantize_orientations_kernel", "unsupported"]
@@ -317,7 +318,6 @@ def quantize_orientations_kernel(x, column_seed, *, scaling, power_of_two, role,
     Returns:
       An `OrientedBlocks`.
     """
-    from mpjax._src.fp8.orientations import OrientedBlocks
 
     m, k = x.shape
     two_d = block_shape(scaling, 2, 1, role)[0] > 1
