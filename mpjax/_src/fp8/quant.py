@@ -33,15 +33,13 @@ def amax(x: jnp.ndarray, axis: int | Sequence[int] | None = None) -> jnp.ndarray
     Returns:
       A float32 array with the reduced axes kept as size 1 (a scalar for `axis=None`).
     """
+    keep = axis is not None
     a = jnp.abs(x.astype(_F32))
-    axes = tuple(range(a.ndim)) if axis is None else tuple(np.atleast_1d(axis) % max(a.ndim, 1))
-    # one reduction whose step keeps a NaN (XLA:CPU's vectorised max can drop one)
-    top = jax.lax.reduce(a, _F32(-np.inf), _max_keeping_nan, axes)
-    return top if axis is None else jnp.expand_dims(top, axes)
-
-
-def _max_keeping_nan(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
-    return jnp.where(x != x, x, jnp.maximum(x, y))
+    top = jnp.max(a, axis=axis, keepdims=keep)
+    # XLA:CPU's jitted max can drop a NaN: propagate it with a second (standard) reduction;
+    # a custom NaN-keeping reducer would be faster, but a sharded amax then becomes an
+    # all-reduce XLA:GPU cannot classify (it aborts compiling an FSDP step)
+    return jnp.where(jnp.any(jnp.isnan(a), axis=axis, keepdims=keep), jnp.nan, top)
 
 
 def compute_scale(
