@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
@@ -15,6 +16,7 @@ from mpjax._src.autocast.fp8_recompute import (
     pointwise_chain,
     recomputed,
     reevaluate_f32,
+    without_small_roots,
 )
 from mpjax._src.autocast.saved_hook import saved_candidate
 from mpjax._src.fp8.conv import conv_gemm_site, fp8_conv_1x1
@@ -87,14 +89,14 @@ def fp8_lower(
 def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
     """{id(GEMM equation): the pointwise chain only it reads} (see `exclusive_chains`).
 
-    Only GEMMs that `fp8_lower` takes (lower-precision ops under the op lists, eligible
-    under the recipe) and, with `Policy.saved_activations`, GEMMs whose left operand is
-    kept in fp8 (a chain's intermediates would otherwise be saved in the compute dtype
-    next to the fp8 copy). Empty with neither.
+    Every GEMM the op lists run in the compute dtype (and, under a recipe, every fp8 GEMM
+    and every GEMM whose left operand `Policy.saved_activations` keeps in fp8) evaluates
+    the activation chain producing its left operand (gelu, SiLU, a SwiGLU product) with a
+    VJP that keeps only the chain's inputs (`recomputed`): left to autodiff, the chain's
+    intermediates (tanh-gelu's `tanh(...)`, SiLU's sigmoid, their float32 copies) would be
+    kept for the backward pass beside the GEMM's own operand.
     """
     saved = getattr(ctx, "saved", None)
-    if ctx.fp8 is None and saved is None:
-        return {}
 
     def candidate(eqn):
         if ctx.lists.category(eqn.primitive.name, eqn.params) != "lower":
@@ -102,9 +104,20 @@ def fp8_chains(ctx: Any, jaxpr: Any) -> dict:
         kept = id(eqn) in getattr(ctx, "fp8_kept", ())  # Fp8Recipe.high_precision_last
         if ctx.fp8 is not None and not kept and fp8_candidate(ctx.fp8, eqn):
             return True
-        return saved is not None and eqn.primitive.name == "dot_general" and saved_candidate(eqn)
+        if saved is not None and eqn.primitive.name == "dot_general" and saved_candidate(eqn):
+            return True
+        return eqn.primitive.name == "dot_general" and all(_floating(v) for v in eqn.invars)
 
-    return exclusive_chains(jaxpr, candidate)
+    chains = exclusive_chains(jaxpr, candidate)
+    if ctx.fp8 is not None or saved is not None:
+        return chains
+    # Recomputed under jax.checkpoint: a bias add stays outside (no second FSDP gather).
+    trimmed = {key: without_small_roots(chain) for key, chain in chains.items()}
+    return {key: chain for key, chain in trimmed.items() if chain}
+
+
+def _floating(var: Any) -> bool:
+    return jnp.issubdtype(var.aval.dtype, jnp.floating)
 
 
 class _Chain(NamedTuple):
@@ -132,8 +145,20 @@ def evaluate_chain(evaluate: Callable, ctx: Any, chain: list, out: Any, env: dic
         found.append(out_origins[0])
         return outs[0]
 
-    value = recomputed(primal)(*[env[r][0] for r in roots])
+    value = _recompute(ctx, primal)(*[env[r][0] for r in roots])
     env[out] = (value, found[-1])
+
+
+def _recompute(ctx: Any, primal: Callable) -> Callable:
+    """`primal` keeping only its inputs for the backward pass.
+
+    With fp8 or fp8 saved activations, `recomputed`'s custom VJP (its recomputation tied to
+    the cotangent, so XLA cannot merge it with the forward amax pass); otherwise
+    `jax.checkpoint`, which forward-mode autodiff (`jax.jvp`, `jax.linearize`) goes through.
+    """
+    if ctx.fp8 is not None or getattr(ctx, "saved", None) is not None:
+        return recomputed(primal)
+    return jax.checkpoint(primal, prevent_cse=True)
 
 
 def requantised_lhs(eqn: Any, producers: dict, env: dict) -> Any:

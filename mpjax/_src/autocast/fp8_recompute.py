@@ -29,7 +29,14 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 
-__all__ = ["chain_roots", "exclusive_chains", "pointwise_chain", "recomputed", "reevaluate_f32"]
+__all__ = [
+    "chain_roots",
+    "exclusive_chains",
+    "pointwise_chain",
+    "recomputed",
+    "reevaluate_f32",
+    "without_small_roots",
+]
 
 _F32 = np.dtype(np.float32)
 # Pointwise primitives (and shape ops that only move a bias or scale into place).
@@ -41,6 +48,7 @@ _POINTWISE = frozenset(
         "cbrt",
         "clamp",
         "convert_element_type",
+        "copy",
         "cos",
         "div",
         "erf",
@@ -76,6 +84,9 @@ _TRANSCENDENTAL = frozenset(
     | {"logistic", "pow", "rsqrt", "sin", "sqrt", "tan", "tanh"}
 )
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# A GEMM, or a custom-VJP GEMM (a saved-activations `dot_general` override) taking the
+# activation as its first operand: the callers' `candidate` decides which.
+_GEMMS = frozenset({"dot_general", "custom_vjp_call"})
 _MAX_EQNS = 64  # a longer chain (a residual stream) is not worth re-evaluating
 
 
@@ -200,12 +211,43 @@ def chain_roots(chain: list) -> list:
     return list(roots)
 
 
+def without_small_roots(chain: list) -> list:
+    """`chain` less the equations that only bring a smaller input (a bias) into place.
+
+    `gelu(h + b)` recomputed from `h` and `b` needs `b` again in the backward pass: under
+    FSDP a second all-gather of the bias. Its leading equations that read a root smaller
+    than the chain's output, or what such equations made (the bias's broadcast and the
+    add), stay outside, so the recomputed rest starts from `h + b`, the same size as `h`.
+
+    Args:
+      chain: equations from `pointwise_chain`, in order.
+
+    Returns:
+      The equations to recompute (a suffix of the dependency order; the others run before).
+    """
+    size = math.prod(chain[-1].outvars[0].aval.shape)
+    roots = set(chain_roots(chain))
+    small = {v for v in roots if math.prod(v.aval.shape) < size}
+    outside: set = set()
+    rest = []
+    for eqn in chain:
+        ins = [a for a in eqn.invars if not isinstance(a, Literal)]
+        if ins and all(v in roots or v in outside for v in ins) and any(v in small for v in ins):
+            outside.update(eqn.outvars)
+            if all(v in small for v in ins):
+                small.update(eqn.outvars)
+        else:
+            rest.append(eqn)
+    return rest
+
+
 def exclusive_chains(jaxpr, candidate: Callable) -> dict:
     """{id(fp8 GEMM equation): chain} for left operands whose chain nothing else reads.
 
     Args:
       jaxpr: the jaxpr being evaluated.
-      candidate: `candidate(eqn)` tells whether a `dot_general` equation runs in fp8.
+      candidate: `candidate(eqn)` tells whether a `dot_general` (or `custom_vjp_call`)
+        equation takes the chain producing its first operand.
 
     Returns:
       The chains (see `pointwise_chain`) whose intermediate values and result only the
@@ -221,7 +263,7 @@ def exclusive_chains(jaxpr, candidate: Callable) -> dict:
     taken: set[int] = set()
     chains: dict = {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name != "dot_general" or isinstance(eqn.invars[0], Literal):
+        if eqn.primitive.name not in _GEMMS or not eqn.invars or isinstance(eqn.invars[0], Literal):
             continue
         chain = pointwise_chain(eqn.invars[0], producers)
         if chain is None or any(id(e) in taken for e in chain) or not candidate(eqn):

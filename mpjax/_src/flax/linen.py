@@ -41,6 +41,7 @@ import numpy as np
 import flax.linen as nn
 from flax.linen.dtypes import promote_dtype
 from flax.linen.module import TestScope
+from mpjax._src.autocast.activation_residuals import keep_activation_inputs
 from mpjax._src.core.policy import cast_floating
 from mpjax._src.flax.defaults import DEFAULTS, Defaults
 from mpjax._src.flax.float32_only import (
@@ -469,8 +470,13 @@ class PolicyModule(nn.Module):
         return super().init_with_output(rngs, *args, method=self._outer_method(method), **kwargs)
 
     def apply(self, variables, *args, method=None, **kwargs):
-        """`nn.Module.apply`; `method` names a method of the wrapped module."""
-        return super().apply(variables, *args, method=self._outer_method(method), **kwargs)
+        """`nn.Module.apply`; `method` names a method of the wrapped module.
+
+        Under a transformation, activation chains only a GEMM reads (gelu, SwiGLU) keep only
+        their inputs for the backward pass (`keep_activation_inputs`).
+        """
+        apply = functools.partial(nn.Module.apply, self, method=self._outer_method(method))
+        return keep_activation_inputs(apply)(variables, *args, **kwargs)
 
 
 def apply_linen_policy(
