@@ -27,22 +27,37 @@ def figures(tmp_path_factory):
     return _run_json("tests/core/_lce_fsdp_hlo.py", tmp=tmp_path_factory.mktemp("lce"))
 
 
-def _bytes(figures, op: str) -> int:
+def _collectives(figures: dict, axis_type: str) -> list:
+    """The program's collectives; a program that did not compile fails with its error."""
+    if "error" in figures[axis_type]:
+        pytest.fail(f"the {axis_type} program did not compile: {figures[axis_type]['error']}")
+    return figures[axis_type]["collectives"]
+
+
+def _bytes(collectives: list, op: str) -> int:
     """The bytes `op` moves in one step, a loop's collectives once per trip."""
-    return sum(b * runs for name, _, _, b, runs, _ in figures["collectives"] if name == op)
+    return sum(b * runs for name, _, _, b, runs, _ in collectives if name == op)
 
 
-def test_no_gather_inside_the_vocabulary_loops(figures):
-    looped = [c for c in figures["collectives"] if c[5]]
+AXIS_TYPES = pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+
+
+@AXIS_TYPES
+def test_no_gather_inside_the_vocabulary_loops(figures, axis_type):
+    looped = [c for c in _collectives(figures, axis_type) if c[5]]
     assert looped, "the backward loop reduces each tile's kernel gradient: no loop found"
     assert all(runs == TILES for *_, runs, _ in looped), looped
     assert not [c for c in looped if c[0] == "all-gather"], looped
 
 
-def test_the_kernel_is_gathered_once_in_bf16(figures):
-    assert _bytes(figures, "all-gather") == KERNEL_BF16, figures["collectives"]
+@AXIS_TYPES
+def test_the_kernel_is_gathered_once_in_bf16(figures, axis_type):
+    collectives = _collectives(figures, axis_type)
+    assert _bytes(collectives, "all-gather") == KERNEL_BF16, collectives
 
 
-def test_the_kernel_gradient_is_reduced_once(figures):
+@AXIS_TYPES
+def test_the_kernel_gradient_is_reduced_once(figures, axis_type):
     """Tile by tile, each tile's float32 sum over the devices' tokens once."""
-    assert _bytes(figures, "all-reduce") <= 2 * KERNEL_BF16 + 64, figures["collectives"]
+    collectives = _collectives(figures, axis_type)
+    assert _bytes(collectives, "all-reduce") <= 2 * KERNEL_BF16 + 64, collectives
