@@ -15,6 +15,7 @@ from mpjax._src.analysis.collectives import (
     comm_seconds,
     link_bytes,
     link_seconds,
+    loop_collectives,
     replica_groups,
     summary,
 )
@@ -170,3 +171,51 @@ def test_compiled_two_axis_mesh_groups_follow_the_axes():
         assert spans in span, (axis, [r.groups for r in reduce])
         if not spans:
             assert not any(span), (axis, [r.groups for r in reduce])
+
+
+NESTED = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%branch (t: f32[4]) -> f32[4] {
+  %t = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%t), replica_groups={}, to_apply=%add
+}
+
+%inner (i: f32[4]) -> f32[4] {
+  %i = f32[4]{0} parameter(0)
+  %ag = f32[32]{0} all-gather(%i), replica_groups={}, dimensions={0}
+  %p = pred[] constant(true)
+  ROOT %c = f32[4]{0} conditional(%p, %i), true_computation=%branch, false_computation=%branch
+}
+
+%cond (c: f32[4]) -> pred[] {
+  %c = f32[4]{0} parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+%outer (o: f32[4]) -> f32[4] {
+  %o = f32[4]{0} parameter(0)
+  ROOT %w = f32[4]{0} while(%o), condition=%cond, body=%inner, backend_config=TRIPS_3
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %before = f32[32]{0} all-gather(%x), replica_groups={}, dimensions={0}
+  ROOT %w = f32[4]{0} while(%x), condition=%cond, body=%outer, backend_config=TRIPS_5
+}
+"""
+for _n in (3, 5):
+    NESTED = NESTED.replace(f"TRIPS_{_n}", f'{{"known_trip_count":{{"n":"{_n}"}}}}')
+
+
+def test_loop_collectives_run_once_per_trip_of_every_loop_around_them():
+    looped = [(c.op, c.name, runs) for c, runs in loop_collectives(NESTED)]
+    # the gather before the loops is not listed; the branch runs on every inner trip
+    # (listed once per path: the conditional's two branches are the same computation)
+    assert looped == [("all-gather", "ag", 15), ("all-reduce", "ar", 15), ("all-reduce", "ar", 15)]
+    assert len(collectives(NESTED)) == 3  # every computation's ops once

@@ -1,7 +1,8 @@
 """The collectives of an optimized (SPMD-partitioned, per-device) HLO module, with their bytes.
 
-Every cross-device op of every computation (`while` bodies and branches counted once each) is
-one record per array it moves: its op (`all-gather`, `all-reduce`, `reduce-scatter`,
+Every cross-device op of every computation (`while` bodies and branches counted once each;
+`loop_collectives` lists those inside loops with their trip counts) is one record per array
+it moves: its op (`all-gather`, `all-reduce`, `reduce-scatter`,
 `all-to-all`, `collective-permute`, `collective-broadcast`, `ragged-all-to-all`; the async
 `-start` forms count as the op, their `-done` halves not at all), the array's dtype, shape and
 the bytes of the buffer the ring cost is quoted on: the gathered result of an all-gather, the
@@ -28,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpjax._src.analysis.hlo_cost import DTYPE_BYTES, op_name, parse_module
+from mpjax._src.analysis.hlo_text import attr
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -37,6 +39,7 @@ __all__ = [
     "comm_seconds",
     "link_bytes",
     "link_seconds",
+    "loop_collectives",
     "replica_groups",
     "summary",
 ]
@@ -124,17 +127,84 @@ def collectives(hlo_text: str) -> list[Collective]:
       A list of `Collective`, in the order of the text.
     """
     comps, _ = parse_module(hlo_text)
-    out = []
-    for comp in comps.values():
+    return [r for comp in comps.values() for instr in comp.values() for r in _moved(instr, comp)]
+
+
+def _moved(instr, comp: dict) -> list[Collective]:
+    """The records of one instruction (none if it is not a collective)."""
+    op = _op(instr.opcode)
+    if op is None:
+        return []
+    groups = replica_groups(instr.attrs)
+    name = op_name(instr.attrs)
+    return [
+        Collective(op, dtype, tuple(dims), int(DTYPE_BYTES[dtype] * math.prod(dims)),
+                   instr.name, name, groups)
+        for dtype, dims in _arrays(op, instr.opcode, instr, comp)
+    ]  # fmt: skip
+
+
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = ("to_apply", "calls", "body", "condition", "true_computation", "false_computation")
+
+
+def loop_collectives(hlo_text: str) -> list[tuple[Collective, int]]:
+    """The collectives that run inside `while` loops, each with its runs per program run.
+
+    `collectives` (and the ring estimates) count a loop body's collective once; here it
+    comes with the product of the known trip counts of the loops around it (a loop of
+    unknown trip count counts 1). A loop-invariant array gathered in a loop body is
+    gathered once per trip.
+
+    Args:
+      hlo_text: `compiled.as_text()` of an SPMD-partitioned program.
+
+    Returns:
+      `(Collective, runs)` pairs, for the computations reached from the entry through
+      `while`, `call` and `conditional` (each computation once per path).
+
+    Example:
+      >>> from mpjax._src.analysis.collectives import loop_collectives
+      >>> trips = '"known_trip_count":{"n":"16"}'
+      >>> hlo = f'''%body (p: f32[4]) -> f32[4] {{
+      ...   %p = f32[4]{{0}} parameter(0)
+      ...   %ag = f32[32]{{0}} all-gather(%p), replica_groups={{}}, dimensions={{0}}
+      ...   ROOT %s = f32[4]{{0}} slice(%ag), slice={{[0:4]}}
+      ... }}
+      ... %cond (c: f32[4]) -> pred[] {{
+      ...   %c = f32[4]{{0}} parameter(0)
+      ...   ROOT %t = pred[] constant(true)
+      ... }}
+      ... ENTRY %main (x: f32[4]) -> f32[4] {{
+      ...   %x = f32[4]{{0}} parameter(0)
+      ...   ROOT %w = f32[4]{{0}} while(%x), condition=%cond, body=%body, backend_config={{{trips}}}
+      ... }}'''
+      >>> [(c.op, c.shape, runs) for c, runs in loop_collectives(hlo)]
+      [('all-gather', (32,), 16)]
+    """
+    comps, entry = parse_module(hlo_text)
+    out: list[tuple[Collective, int]] = []
+
+    def visit(name: str, runs: int, looped: bool, path: tuple) -> None:
+        comp = comps.get(name)
+        if comp is None or name in path:
+            return
         for instr in comp.values():
-            op = _op(instr.opcode)
-            if op is None:
+            if looped:
+                out.extend((r, runs) for r in _moved(instr, comp))
+            inner, loop = runs, looped
+            if instr.opcode == "while":
+                trips = _TRIP_COUNT.search(instr.attrs)
+                inner, loop = runs * (int(trips.group(1)) if trips else 1), True
+            elif instr.opcode not in ("call", "conditional"):
                 continue
-            groups = replica_groups(instr.attrs)
-            for dtype, dims in _arrays(op, instr.opcode, instr, comp):
-                nbytes = int(DTYPE_BYTES[dtype] * math.prod(dims))
-                name = op_name(instr.attrs)
-                out.append(Collective(op, dtype, tuple(dims), nbytes, instr.name, name, groups))
+            called = [attr(instr.attrs, key) for key in _CALLED]
+            branches = re.search(r"branch_computations=\{([^}]*)\}", instr.attrs)
+            called += re.findall(r"%?([\w.\-]+)", branches.group(1) if branches else "")
+            for target in filter(None, called):
+                visit(target.lstrip("%"), inner, loop, (*path, name))
+
+    visit(entry, 1, False, ())
     return out
 
 

@@ -14,11 +14,14 @@ written once per pass, whatever the tile (a loop over chunks of tokens would rea
 whole kernel and a float32 kernel-gradient accumulator once per chunk).
 
 The tokens stay in their order and sharding: a batch split over devices is processed by
-each device on its own tokens, with no collective for the loop.
+each device on its own tokens. A kernel split over devices (FSDP) is gathered once, before
+the loop (on any mesh: Explicit or Auto axes, inside `shard_map` over some of them), and
+each tile's kernel gradient is summed over the devices' tokens in the backward loop.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -116,14 +119,58 @@ def _sharded(a: jax.Array) -> bool:
     return any(s is not None for s in spec)
 
 
-def _replicated(ndim: int) -> jax.sharding.PartitionSpec:
-    return jax.sharding.PartitionSpec(*([None] * ndim))
+def _replicated(a: jax.Array, ndim: int) -> jax.sharding.NamedSharding:
+    """Replicated over `a`'s mesh (its type's: no `jax.set_mesh` needed), `ndim` dims."""
+    mesh = jax.typeof(a).sharding.mesh
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * ndim)))
 
 
 def _gathered(a: jax.Array) -> jax.Array:
-    """`a` replicated if it is sharded over Explicit axes (FSDP gathers each weight before
-    its use; its gradient is reduce-scattered back). A no-op otherwise."""
-    return jax.sharding.reshard(a, _replicated(a.ndim)) if _sharded(a) else a
+    """`a` replicated over the axes of its mesh that the program partitions (FSDP gathers a
+    weight once before its use). A no-op without a mesh (one device), with axes of size 1
+    or all Manual (inside `shard_map`: the arrays are the device's own).
+
+    Explicit axes are resharded; Auto axes (a `jit` of `NamedSharding` arguments, with or
+    without `jax.set_mesh`) are constrained: left to the partitioner, a weight sharded
+    along the vocabulary is cut into tiles sharded along the loop, and every step of the
+    loop gathers the whole weight to slice its tile (XLA hoists no gather out of a loop).
+    """
+    mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        return a
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    split = [n for n in mesh.axis_names if mesh.shape[n] > 1]
+    everywhere = _replicated(a, a.ndim)
+    if _sharded(a):
+        a = jax.sharding.reshard(a, everywhere)
+    if any(types[n] == jax.sharding.AxisType.Auto for n in split):
+        a = _replicate_forward(a, everywhere)
+    return a
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _replicate_forward(a: jax.Array, everywhere: jax.sharding.NamedSharding) -> jax.Array:
+    """`a` constrained to `everywhere`, its cotangent left free: a constraint's transpose
+    would replicate the weight's gradient too (the whole gradient held on every device);
+    free, it takes the weight's sharding, each tile's gradient kept by the device that
+    holds the tile."""
+    return lax.with_sharding_constraint(a, everywhere)
+
+
+_replicate_forward.defvjp(lambda a, s: (_replicate_forward(a, s), None), lambda s, _, g: (g,))
+
+
+def _varying_alike(*arrays: jax.Array) -> tuple:
+    """The arrays cast to vary over the same Manual axes (inside `shard_map`, the axes the
+    tokens vary over): a `custom_vjp`'s gradient has its input's type, and the gradient of
+    a kernel replicated over the tokens' axes is then summed over them (the cast's
+    transpose). A no-op outside `shard_map`."""
+    vma = [jax.typeof(a).mat.varying for a in arrays]
+    every = frozenset().union(*vma)
+    return tuple(
+        jax.lax.pcast(a, tuple(sorted(every - v)), to="varying") if every - v else a
+        for a, v in zip(arrays, vma, strict=True)
+    )
 
 
 _TOKEN_LOGITS = (((1,), (0,)), ((), ()))  # [N, d] @ [d, t]
@@ -198,7 +245,7 @@ def _make(z_loss: float):
                 _TILE_DK,
                 preferred_element_type=_F32,
                 # tokens over Explicit axes: each device's sum is all-reduced
-                out_sharding=_replicated(2) if _sharded(x) else None,
+                out_sharding=_replicated(x, 2) if _sharded(x) else None,
             )
             return dx, (dk.astype(kt.dtype), db)
 
@@ -306,6 +353,7 @@ def linear_cross_entropy(
     b32 = jnp.zeros((vocab,), _F32) if bias is None else _gathered(bias.astype(_F32))
     k = jnp.pad(k, ((0, 0), (0, pad))).reshape(d, tiles, width).transpose(1, 0, 2)
     b32 = jnp.pad(b32, (0, pad), constant_values=-jnp.inf).reshape(tiles, width)
-    total = _make(float(z_loss))(flat_x, k, b32, flat_labels, valid, bad)
+    args = _varying_alike(flat_x, k, b32, flat_labels, valid, bad)
+    total = _make(float(z_loss))(*args)
     count = jnp.sum(valid, dtype=jnp.int32)
     return total / jnp.maximum(count, 1).astype(_F32)
