@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from jax.extend.core import jaxprs_in_params
 
 import mpjax
 from mpjax import Fp8Recipe
@@ -101,7 +102,7 @@ def _quantize_calls(jaxpr, counts):
             shape = tuple(eqn.outvars[0].aval.shape)
             counts[shape] = counts.get(shape, 0) + 1
             continue
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             _quantize_calls(sub, counts)
     return counts
 

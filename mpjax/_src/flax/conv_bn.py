@@ -59,7 +59,7 @@ class ConvBN(nn.Module):
       input_layout: "NHWC" or "NCHW".
       impl: kernel implementation: "auto", "pallas", "interpret" or "xla". "auto" runs
         the XLA forms of the statistics and the epilogue, which beat the Pallas pair on
-        the H100 cost model's ResNet-50 train step (`benchmarks/gpu_cost_model.py`; see
+        the H100 cost model's ResNet-50 train step (the suite's `cost` table; see
         the performance guide). `"pallas"` opts in to the kernels.
       kernel_init, scale_init, bias_init: initializers.
 

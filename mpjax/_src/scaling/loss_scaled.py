@@ -449,9 +449,9 @@ def loss_scaled(
         if unscale_and_check is not None or impl != "auto":
             return _update(grads, state, params, extra_args, lazy_unscale, unscale_and_check)
         # "auto": on XLA:CPU, unscaling once before the step is cheaper than fusing the
-        # multiply into it (benchmarks/step_overhead.py: 1.23x vs 1.44x the bare step's
+        # multiply into it (the suite's step-overhead table: 1.23x vs 1.44x the bare step's
         # time); elsewhere the check only reads the gradients and the unscale fuses into
-        # the inner update (benchmarks/kernel_count.py: full fp16 step 1.036x bare bytes).
+        # the inner update (the suite's opt-step table: full fp16 step 1.036x bare bytes).
         return jax.lax.platform_dependent(
             grads,
             state,
