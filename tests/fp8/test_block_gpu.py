@@ -75,3 +75,59 @@ def test_native_step_quantises_each_tensor_in_one_fused_kernel(flops, key):
     launches = flops[key]["quantize"]
     assert len(launches) == (DENSE_GEMMS - 5 if key == "b200/nvfp4" else DENSE_GEMMS), launches
     assert all(nbytes > 0 for nbytes in launches)
+
+
+# What the quantisations read and write (`_block_hlo.py`'s `io`, `mpjax._src.analysis.
+# quantise_io`). NVFP4 today: its tensor scales' amax passes (XLA, outside the fused kernel)
+# transpose each float32 weight and write |w| in float32; the activations' LayerNorm is laid
+# out transposed for the Hadamard-rotated amax, which writes the rotated copy in float32;
+# and the stochastically rounded output gradients go through the XLA reference, which
+# transposes and writes float32 rotated copies beside the fp4 output.
+NVFP4_FLOAT32 = pytest.mark.xfail(
+    strict=True,
+    reason="NVFP4: float32 transposes and copies in the amax / Hadamard passes and the "
+    "XLA-reference gradient quantisation (see the comment above)",
+)
+NATIVE = ["b200/mxfp8", pytest.param("b200/nvfp4", marks=NVFP4_FLOAT32), "h100/blockwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", NATIVE)
+def test_native_step_has_no_float32_transpose_of_a_quantised_operand(flops, key):
+    """No float32 array that a quantisation reads or writes is a transposed copy (the fused
+    quantiser transposes in its kernel; bfloat16 transposes are the attention's own)."""
+    transposes = flops[key]["io"]["transposes"]
+    assert [t for t in transposes if t.startswith("f32")] == [], transposes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", NATIVE)
+def test_native_step_has_no_float32_copy_of_a_quantised_operand(flops, key):
+    """No float32 array as big as a quantised tensor is written by a quantisation, or only
+    for one (the float32 tensors the fused quantiser reads are the model's own)."""
+    assert flops[key]["io"]["f32_copies"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("key", "role"),
+    [
+        (key, role)
+        if (key, role) != ("b200/nvfp4", "g")
+        else pytest.param(
+            key,
+            role,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="NVFP4's output gradients round stochastically: the XLA reference "
+                "quantises them in several kernels",
+            ),
+        )
+        for key in ("b200/mxfp8", "b200/nvfp4", "h100/blockwise")
+        for role in ("x", "w", "g")
+    ],
+)
+def test_native_step_quantises_each_tensor_in_one_kernel(flops, key, role):
+    """x, w and g of each of the 5 dense GEMMs: each quantised by one fused kernel launch."""
+    tensors = [t for t in flops[key]["io"]["tensors"] if t[0] == role]
+    assert tensors == [[role, 1, True]] * 5, flops[key]["io"]["tensors"]
