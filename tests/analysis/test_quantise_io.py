@@ -100,3 +100,31 @@ def test_a_quantised_transpose_on_cpu():
     assert any(t.startswith("f32[128,64]") for t in io.transposes), io
     g = jax.jit(lambda x: quantize_orientations(x * 2, "mxfp8").rows.data)
     assert quantise_io(g.trace(jnp.ones((64, 128))).lower().compile().as_text()).transposes == ()
+
+
+CAST = f"""HloModule step
+
+%fused_add (p0: bf16[64,32]) -> bf16[64,32] {{
+  %p0 = bf16[64,32] parameter(0)
+  ROOT %a = bf16[64,32] add(%p0, %p0)
+}}
+
+%fused_cast (p0: bf16[64,32]) -> f32[64,32] {{
+  %p0 = bf16[64,32] parameter(0)
+  ROOT %c = f32[64,32] convert(%p0)
+}}
+
+ENTRY %main (g: bf16[64,32]) -> (u8[64,32], u8[32,64]) {{
+  %g = bf16[64,32] parameter(0)
+  %dy = bf16[64,32] fusion(%g), kind=kLoop, calls=%fused_add, {_meta("jit(step)/add_any")}
+  %dy32 = f32[64,32] fusion(%dy), kind=kLoop, calls=%fused_cast, {_meta("jit(step)/convert")}
+  ROOT %q = (u8[64,32], u8[32,64]) custom-call(%dy32), {_KERNEL}, {_meta(_BWD)}
+}}
+"""
+
+
+def test_a_float32_cast_made_for_the_fused_quantiser_is_a_copy():
+    io = quantise_io(CAST)
+    assert [t.role for t in io.tensors] == ["g"]
+    assert io.float32_copies == ("f32[64,32] dy32 (convert)",)
+    assert (io.transposes, io.float32_operands) == ((), ())

@@ -17,7 +17,8 @@ arrays its kernels pass each other through HBM:
   them: a transposed copy of an operand (the fused quantiser transposes inside the kernel);
 - *float32 copies*: operand-sized float32 arrays the work writes, or that a kernel outside it
   writes only for the work (every reader is quantisation work) other than the operand the
-  fused quantiser reads: a float32 copy of `x`, `w` or `g` made only to be quantised;
+  fused quantiser reads, unless that kernel only moves or casts data (a transpose, copy or
+  convert): a float32 copy of `x`, `w` or `g` made only to be quantised;
 - *float32 operands*: the float32 arrays the step writes that the fused quantiser reads as its
   operand (the model's own tensor in float32, e.g. a LayerNorm output; informational).
 
@@ -47,6 +48,7 @@ QUANTISER = "mpjax_block_quantize"
 _FREE = {"bitcast", "get-tuple-element", "reshape"}
 _SKIP = _FREE | {"parameter", "constant", "tuple", "after-all", "partition-id", "replica-id"}
 _CONTROL = ("call", "while", "conditional")
+_MOVES = {"transpose", "copy", "convert", "broadcast", "slice", "concatenate", "pad"}
 _LOW = ("u8", "f8", "f4")
 _WIDE = ("f32", "bf16", "f16")
 
@@ -96,6 +98,14 @@ def _transposed(comps: dict, instr, index: int, min_elements: int) -> bool:
             return True
         frontier.extend(i.operands)
     return False
+
+
+def _moves_only(comps: dict, instr) -> bool:
+    """Whether kernel `instr` only moves or converts data (a transpose, copy or cast)."""
+    if instr.opcode != "fusion":
+        return instr.opcode in _MOVES
+    comp = comps.get((attr(instr.attrs, "calls") or "").lstrip("%"), {})
+    return bool(comp) and all(i.opcode in _MOVES | _SKIP for i in comp.values())
 
 
 def _computations(comps: dict, entry: str) -> list[str]:
@@ -248,7 +258,9 @@ def quantise_io(hlo_text: str) -> QuantiseIO:
             continue
         min_elements = min(sizes) // 2
         tensors += _tensors(g, quantise, min_elements)
+        # the fused quantiser's operands: the model's tensors, unless only moved or cast there
         fused_x = {g.array(g.comp[k].operands[0]) for k in quantise if g.fused(g.comp[k])}
+        fused_x = {a for a in fused_x if not _moves_only(comps, g.comp[a[0]])}
         for k in g.kernels:
             for index, (dtype, dims) in enumerate(k.shapes):
                 array = (k.name, index)
