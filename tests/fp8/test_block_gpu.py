@@ -78,11 +78,12 @@ def test_native_step_quantises_each_tensor_in_one_fused_kernel(flops, key):
 
 
 # What the quantisations read and write (`_block_hlo.py`'s `io`, `mpjax._src.analysis.
-# quantise_io`). NVFP4 today: its tensor scales' amax passes (XLA, outside the fused kernel)
-# transpose each float32 weight and write |w| in float32; the activations' LayerNorm is laid
-# out transposed for the Hadamard-rotated amax, which writes the rotated copy in float32;
-# and the stochastically rounded output gradients go through the XLA reference, which
-# transposes and writes float32 rotated copies beside the fp4 output.
+# quantise_io`). NVFP4 today: with the weight gradients in the program, XLA lays out |w| of the
+# tensor-scale amax transposed (qkv, up, head: a float32 transposed copy of the weight, a
+# forward-only step has none) and computes each LayerNorm output transposed in its amax pass
+# (then transposes it back in float32 for the fused quantiser); the stochastically rounded
+# output gradients go through the XLA reference, which transposes and writes float32
+# Hadamard-rotated copies beside its fp4 output.
 NVFP4_FLOAT32 = pytest.mark.xfail(
     strict=True,
     reason="NVFP4: float32 transposes and copies in the amax / Hadamard passes and the "

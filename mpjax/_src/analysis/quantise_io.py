@@ -16,9 +16,10 @@ arrays its kernels pass each other through HBM:
   value passes through a transpose (or a layout-changing copy) in the kernel that writes
   them: a transposed copy of an operand (the fused quantiser transposes inside the kernel);
 - *float32 copies*: operand-sized float32 arrays the work writes, or that a kernel outside it
-  writes only for the work (every reader is quantisation work) other than the operand the
-  fused quantiser reads, unless that kernel only moves or casts data (a transpose, copy or
-  convert): a float32 copy of `x`, `w` or `g` made only to be quantised;
+  writes only for the work (every reader is quantisation work), other than the operand the
+  fused quantiser reads (XLA may compute it in an amax pass) unless the kernel writing that
+  only moves or casts data (a transpose, copy or convert): a float32 copy of `x`, `w` or `g`
+  made only to be quantised;
 - *float32 operands*: the float32 arrays the step writes that the fused quantiser reads as its
   operand (the model's own tensor in float32, e.g. a LayerNorm output; informational).
 
@@ -273,7 +274,7 @@ def quantise_io(hlo_text: str) -> QuantiseIO:
                     comps, k, index, min_elements
                 ):
                     transposes.append(g.label(array))
-                if dtype == "f32" and (in_work or (for_work and array not in fused_x)):
+                if dtype == "f32" and (in_work or for_work) and array not in fused_x:
                     copies.append(g.label(array))
                 if dtype == "f32" and array in fused_x and g.comp[k.name].opcode != "parameter":
                     operands.append(g.label(array))
