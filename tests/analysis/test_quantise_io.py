@@ -128,3 +128,24 @@ def test_a_float32_cast_made_for_the_fused_quantiser_is_a_copy():
     assert [t.role for t in io.tensors] == ["g"]
     assert io.float32_copies == ("f32[64,32] dy32 (convert)",)
     assert (io.transposes, io.float32_operands) == ((), ())
+
+
+def test_a_weight_moved_before_its_quantiser_keeps_its_role():
+    """A transposed float32 copy of a parameter made for the quantiser: `w`, a transpose and
+    a float32 copy."""
+    hlo = f"""HloModule step
+
+%fused_t (p0: f32[64,32]) -> f32[32,64] {{
+  %p0 = f32[64,32] parameter(0)
+  ROOT %t = f32[32,64] transpose(%p0), dimensions={{1,0}}
+}}
+
+ENTRY %main (w: f32[64,32]) -> (u8[32,64], u8[64,32]) {{
+  %w = f32[64,32] parameter(0)
+  %wt = f32[32,64] fusion(%w), kind=kInput, calls=%fused_t, {_meta("jit(step)/transpose")}
+  ROOT %q = (u8[32,64], u8[64,32]) custom-call(%wt), {_KERNEL}, {_meta(_FWD)}
+}}
+"""
+    io = quantise_io(hlo)
+    assert [t.role for t in io.tensors] == ["w"]
+    assert io.transposes == io.float32_copies == ("f32[32,64] wt (transpose)",)

@@ -10,8 +10,8 @@ arrays its kernels pass each other through HBM:
 - the *quantise kernels*: those of the work that write an 8-bit or 4-bit array;
 - the *quantised tensors*: each group of quantise kernels that read (directly, or through
   the work's own intermediates) the same operand-sized floating arrays made outside the work
-  (or parameters); its role is `"w"` when those are parameters, `"g"` when its kernels run
-  under a VJP's `transpose(` name stack, else `"x"`;
+  (or parameters); its role is `"w"` when those are parameters (or only moved or cast from
+  them), `"g"` when its kernels run under a VJP's `transpose(` name stack, else `"x"`;
 - *transposes*: operand-sized bfloat16 or float32 arrays read or written by the work whose
   value passes through a transpose (or a layout-changing copy) in the kernel that writes
   them: a transposed copy of an operand (the fused quantiser transposes inside the kernel);
@@ -194,8 +194,19 @@ def _sources(g: _Graph, kernel: str, min_elements: int) -> set:
     return out
 
 
+def _from_parameters(g: _Graph, array, depth: int = 8) -> bool:
+    """Whether `array` is a parameter, or only moved or cast from parameters."""
+    i = g.comp[array[0]]
+    if i.opcode == "parameter":
+        return True
+    if depth == 0 or not _moves_only(g.comps, i):
+        return False
+    arrays = [g.array(o) for o in i.operands if g.array(o)[0] in g.comp]
+    return bool(arrays) and all(_from_parameters(g, a, depth - 1) for a in arrays)
+
+
 def _role(g: _Graph, sources: set, kernels: list) -> str:
-    if all(g.comp[s[0]].opcode == "parameter" for s in sources):
+    if all(_from_parameters(g, s) for s in sources):
         return "w"
     names = [op_name(g.comp[k].attrs) for k in kernels]
     return "g" if any("transpose(" in n.split(QUANTISE_SCOPE)[0] for n in names) else "x"
