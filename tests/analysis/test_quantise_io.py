@@ -81,9 +81,9 @@ def test_each_tensor_its_role_and_quantise_kernels():
 
 def test_a_transposed_float32_copy_beside_the_operand_is_both():
     io = quantise_io(HLO)
-    assert io.transposes == ("f32[32,64] ln#1 (mul)",)
+    assert io.transposes == ("x f32[32,64] ln#1 (mul)",)
     # ln#1: made outside the work only for it; mag: written by the work (|w| in float32)
-    assert io.float32_copies == ("f32[32,64] ln#1 (mul)", "f32[64,32] mag (select_n)")
+    assert io.float32_copies == ("x f32[32,64] ln#1 (mul)", "w f32[64,32] mag (select_n)")
     # the fused quantiser's own float32 operand is the tensor, not a copy
     assert io.float32_operands == ("f32[64,32] ln#0 (mul)",)
 
@@ -97,7 +97,7 @@ def test_a_quantised_transpose_on_cpu():
     """XLA:CPU, the reference quantiser: the transposed operand (`x.T * 2`) shows."""
     f = jax.jit(lambda x: quantize_orientations(x.T * 2, "mxfp8").rows.data)
     io = quantise_io(f.trace(jnp.ones((64, 128))).lower().compile().as_text())
-    assert any(t.startswith("f32[128,64]") for t in io.transposes), io
+    assert any(t.split()[1] == "f32[128,64]" for t in io.transposes), io
     g = jax.jit(lambda x: quantize_orientations(x * 2, "mxfp8").rows.data)
     assert quantise_io(g.trace(jnp.ones((64, 128))).lower().compile().as_text()).transposes == ()
 
@@ -126,7 +126,7 @@ ENTRY %main (g: bf16[64,32]) -> (u8[64,32], u8[32,64]) {{
 def test_a_float32_cast_made_for_the_fused_quantiser_is_a_copy():
     io = quantise_io(CAST)
     assert [t.role for t in io.tensors] == ["g"]
-    assert io.float32_copies == ("f32[64,32] dy32 (convert)",)
+    assert io.float32_copies == ("g f32[64,32] dy32 (convert)",)
     assert (io.transposes, io.float32_operands) == ((), ())
 
 
@@ -148,4 +148,4 @@ ENTRY %main (w: f32[64,32]) -> (u8[32,64], u8[64,32]) {{
 """
     io = quantise_io(hlo)
     assert [t.role for t in io.tensors] == ["w"]
-    assert io.transposes == io.float32_copies == ("f32[32,64] wt (transpose)",)
+    assert io.transposes == io.float32_copies == ("w f32[32,64] wt (transpose)",)

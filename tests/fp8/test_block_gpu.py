@@ -78,35 +78,47 @@ def test_native_step_quantises_each_tensor_in_one_fused_kernel(flops, key):
 
 
 # What the quantisations read and write (`_block_hlo.py`'s `io`, `mpjax._src.analysis.
-# quantise_io`). NVFP4 today: with the weight gradients in the program, XLA lays out |w| of the
-# tensor-scale amax transposed (qkv, up, head: a float32 transposed copy of the weight, a
-# forward-only step has none) and computes each LayerNorm output transposed in its amax pass
-# (then transposes it back in float32 for the fused quantiser); the stochastically rounded
-# output gradients go through the XLA reference, which transposes and writes float32
-# Hadamard-rotated copies beside its fp4 output.
-NVFP4_FLOAT32 = pytest.mark.xfail(
-    strict=True,
-    reason="NVFP4: float32 transposes and copies in the amax / Hadamard passes and the "
-    "XLA-reference gradient quantisation (see the comment above)",
-)
-NATIVE = ["b200/mxfp8", pytest.param("b200/nvfp4", marks=NVFP4_FLOAT32), "h100/blockwise"]
+# quantise_io`), per role of the quantised tensor. NVFP4 today: XLA lays out each LayerNorm
+# output (x of qkv, up, head) transposed and writes it in float32 both ways around the tensor
+# scales' amax passes; the stochastically rounded output gradients go through the XLA
+# reference, which transposes and writes float32 Hadamard-rotated copies beside its fp4 output.
+NVFP4_X = "NVFP4: each LayerNorm output laid out transposed, written in float32 both ways"
+NVFP4_G = "NVFP4: the XLA-reference (stochastically rounded) gradient quantisation"
+ROLES = [
+    pytest.param(key, role, marks=pytest.mark.xfail(strict=True, reason=reason))
+    if (reason := {("b200/nvfp4", "x"): NVFP4_X, ("b200/nvfp4", "g"): NVFP4_G}.get((key, role)))
+    else (key, role)
+    for key in ("b200/mxfp8", "b200/nvfp4", "h100/blockwise")
+    for role in ("x", "w", "g")
+]
+
+
+def _float32(arrays: list, role: str) -> list:
+    """The float32 arrays (`"roles dtype[shape] kernel (op)"`) that `role`'s quantisations
+    read or write (or that no quantisation was found to touch)."""
+    return [
+        a
+        for a in arrays
+        if a.split()[1].startswith("f32[") and (role in a.split()[0] or a.split()[0] == "?")
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", NATIVE)
-def test_native_step_has_no_float32_transpose_of_a_quantised_operand(flops, key):
-    """No float32 array that a quantisation reads or writes is a transposed copy (the fused
-    quantiser transposes in its kernel; bfloat16 transposes are the attention's own)."""
+@pytest.mark.parametrize(("key", "role"), ROLES)
+def test_native_step_has_no_float32_transpose_of_a_quantised_operand(flops, key, role):
+    """No float32 array that a quantisation of an x, w or g reads or writes is a transposed
+    copy (the fused quantiser transposes in its kernel; the bf16 ones are the attention's)."""
     transposes = flops[key]["io"]["transposes"]
-    assert [t for t in transposes if t.startswith("f32")] == [], transposes
+    assert _float32(transposes, role) == [], transposes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", NATIVE)
-def test_native_step_has_no_float32_copy_of_a_quantised_operand(flops, key):
-    """No float32 array as big as a quantised tensor is written by a quantisation, or only
-    for one (the float32 tensors the fused quantiser reads are the model's own)."""
-    assert flops[key]["io"]["f32_copies"] == []
+@pytest.mark.parametrize(("key", "role"), ROLES)
+def test_native_step_has_no_float32_copy_of_a_quantised_operand(flops, key, role):
+    """No float32 array as big as a quantised tensor is written by its quantisation, or
+    only for it (the float32 tensors the fused quantiser reads are the model's own)."""
+    copies = flops[key]["io"]["f32_copies"]
+    assert _float32(copies, role) == [], copies
 
 
 @pytest.mark.slow

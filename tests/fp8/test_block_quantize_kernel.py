@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpjax._src.fp8.block_codes import e2m1_code, e4m3_bits
-from mpjax._src.fp8.block_quantize_kernel import _rotated_amax, unsupported
+from mpjax._src.fp8.block_quantize_kernel import _flat_amax, _rotated_amax, unsupported
 from mpjax._src.fp8.blocks import _magnitude
 from mpjax._src.fp8.hadamard import random_hadamard
 from mpjax.fp8 import quantize_orientations
@@ -157,7 +157,10 @@ def test_unsupported_inputs_go_to_the_reference():
 @pytest.mark.parametrize("special", [False, True])
 def test_rotated_amax_is_the_rotated_copys_amax(shape, dtype, special):
     """NVFP4's columns tensor scale comes from `_rotated_amax` (no moved axis): bit for bit
-    the amax of `random_hadamard(x, 0)` (ragged M padded, 40 binades, inf and NaN)."""
+    the amax of `random_hadamard(x, 0)` (ragged M padded, 40 binades, inf and NaN); the rows
+    one from `_flat_amax`."""
     x = _wide(shape, dtype, special) if min(shape) > 16 else jnp.full(shape, -3.0, dtype)
     want = jnp.max(_magnitude(random_hadamard(x, 0)))
     np.testing.assert_array_equal(_bits(_rotated_amax(x)), _bits(want))
+    xf = x.astype(jnp.float32)  # and the rows tensor scale's amax, of x as 1-D
+    np.testing.assert_array_equal(_bits(_flat_amax(xf)), _bits(jnp.max(_magnitude(xf))))

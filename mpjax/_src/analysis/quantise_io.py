@@ -10,8 +10,9 @@ arrays its kernels pass each other through HBM:
 - the *quantise kernels*: those of the work that write an 8-bit or 4-bit array;
 - the *quantised tensors*: each group of quantise kernels that read (directly, or through
   the work's own intermediates) the same operand-sized floating arrays made outside the work
-  (or parameters); its role is `"w"` when those are parameters (or only moved or cast from
-  them), `"g"` when its kernels run under a VJP's `transpose(` name stack, else `"x"`;
+  (or parameters); its role is `"w"` when those (or the array the fused quantiser reads) are
+  parameters or only moved or cast from them, `"g"` when its kernels run under a VJP's
+  `transpose(` name stack, else `"x"`;
 - *transposes*: operand-sized bfloat16 or float32 arrays read or written by the work whose
   value passes through a transpose (or a layout-changing copy) in the kernel that writes
   them: a transposed copy of an operand (the fused quantiser transposes inside the kernel);
@@ -25,14 +26,16 @@ arrays its kernels pass each other through HBM:
 
 *Operand-sized*: at least half as many elements as the smallest quantised tensor (so scales,
 amaxes and per-block partial results are not copies). Arrays are named
-`"dtype[shape] kernel (op)"` (`kernel#i`: output `i` of a multi-output kernel), `op` the
-last part of the writer's name stack. XLA may recompute a tensor's producer inside one of a
-reference quantisation's fusions: that tensor then shows as two groups (the fused quantiser
-reads one array).
+`"roles dtype[shape] kernel (op)"`: the roles of the tensors whose quantisation reads or
+writes it (`"?"`: none found), `kernel#i` for output `i` of a multi-output kernel, `op` the
+last part of the writer's name stack (float32 operands without roles). XLA may recompute a
+tensor's producer inside one of a reference quantisation's fusions: that tensor then shows as
+two groups (the fused quantiser reads one array).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -173,9 +176,8 @@ def _floating(dtype: str) -> bool:
     return dtype.startswith(_WIDE)
 
 
-def _sources(g: _Graph, kernel: str, min_elements: int) -> set:
-    """The operand-sized floating arrays made outside the work that `kernel` reads, directly
-    or through the work's intermediates."""
+def _reads(g: _Graph, kernel: str) -> set:
+    """The arrays `kernel` reads, directly or through the work's intermediates."""
     out, todo, seen = set(), [kernel], set()
     while todo:
         name = todo.pop()
@@ -184,14 +186,24 @@ def _sources(g: _Graph, kernel: str, min_elements: int) -> set:
         seen.add(name)
         for o in g.comp[name].operands:
             array = g.array(o)
-            if array[0] not in g.comp:
-                continue
-            dtype, dims = g.shape(array)
-            if array[0] in g.work:
-                todo.append(array[0])
-            elif _floating(dtype) and len(dims) >= 2 and math.prod(dims) >= min_elements:
+            if array[0] in g.comp:
                 out.add(array)
+                if array[0] in g.work:
+                    todo.append(array[0])
     return out
+
+
+def _sources(g: _Graph, kernel: str, min_elements: int) -> set:
+    """The operand-sized floating arrays made outside the work that `kernel` reads, directly
+    or through the work's intermediates."""
+    return {
+        a
+        for a in _reads(g, kernel)
+        if a[0] not in g.work
+        and _floating(g.shape(a)[0])
+        and len(g.shape(a)[1]) >= 2
+        and math.prod(g.shape(a)[1]) >= min_elements
+    }
 
 
 def _from_parameters(g: _Graph, array, depth: int = 8) -> bool:
@@ -206,7 +218,10 @@ def _from_parameters(g: _Graph, array, depth: int = 8) -> bool:
 
 
 def _role(g: _Graph, sources: set, kernels: list) -> str:
-    if all(_from_parameters(g, s) for s in sources):
+    # the fused quantiser's operand decides (XLA may fuse its producer into an amax pass,
+    # whose sources are then the producer's inputs)
+    fused = [g.array(g.comp[k].operands[0]) for k in kernels if g.fused(g.comp[k])]
+    if all(_from_parameters(g, s) for s in fused or sources):
         return "w"
     names = [op_name(g.comp[k].attrs) for k in kernels]
     return "g" if any("transpose(" in n.split(QUANTISE_SCOPE)[0] for n in names) else "x"
@@ -232,6 +247,10 @@ def _tensors(g: _Graph, quantise: list, min_elements: int) -> list[QuantisedTens
     ]
 
 
+def _role_label(g: _Graph, roles: dict, array) -> str:
+    return f"{''.join(sorted(roles.get(array, '?')))} {g.label(array)}"
+
+
 def quantise_io(hlo_text: str) -> QuantiseIO:
     """The quantised tensors, and the transposes and float32 copies of their operands.
 
@@ -248,8 +267,8 @@ def quantise_io(hlo_text: str) -> QuantiseIO:
       >>> from mpjax._src.analysis.quantise_io import quantise_io
       >>> f = jax.jit(lambda x: quantize_orientations(x.T * 2, "mxfp8").rows.data)
       >>> io = quantise_io(f.trace(jnp.ones((64, 128))).lower().compile().as_text())
-      >>> len(io.tensors), [t[:11] for t in io.transposes]  # XLA:CPU, the reference
-      (1, ['f32[128,64]'])
+      >>> len(io.tensors), [t.split()[:2] for t in io.transposes]  # XLA:CPU, the reference
+      (1, [['w', 'f32[128,64]']])
     """
     comps, entry = parse_module(hlo_text)
     tensors, transposes, copies, operands = [], [], [], []
@@ -269,7 +288,14 @@ def quantise_io(hlo_text: str) -> QuantiseIO:
         if not sizes:
             continue
         min_elements = min(sizes) // 2
-        tensors += _tensors(g, quantise, min_elements)
+        found = _tensors(g, quantise, min_elements)
+        tensors += found
+        roles: dict = {}  # array -> the roles of the tensors whose quantisation touches it
+        for t in found:
+            for k in t.kernels:
+                for a in _reads(g, k) | {(k, i) for i in range(len(g.comp[k].shapes))}:
+                    roles.setdefault(a, set()).add(t.role)
+        label = functools.partial(_role_label, g, roles)
         # the fused quantiser's operands: the model's tensors, unless only moved or cast there
         fused_x = {g.array(g.comp[k].operands[0]) for k in quantise if g.fused(g.comp[k])}
         fused_x = {a for a in fused_x if not _moves_only(comps, g.comp[a[0]])}
@@ -284,9 +310,9 @@ def quantise_io(hlo_text: str) -> QuantiseIO:
                 if (in_work or any(r in g.work for r in readers)) and _transposed(
                     comps, k, index, min_elements
                 ):
-                    transposes.append(g.label(array))
+                    transposes.append(label(array))
                 if dtype == "f32" and (in_work or for_work) and array not in fused_x:
-                    copies.append(g.label(array))
+                    copies.append(label(array))
                 if dtype == "f32" and array in fused_x and g.comp[k.name].opcode != "parameter":
                     operands.append(g.label(array))
     return QuantiseIO(tuple(tensors), tuple(transposes), tuple(copies), tuple(operands))

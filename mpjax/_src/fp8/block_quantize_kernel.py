@@ -307,9 +307,18 @@ def _rotated_amax(x: jax.Array) -> jax.Array:
     The max is exact: the bits are the rotated copy's amax."""
     m, k = x.shape
     runs = jnp.pad(x.astype(_F32), [(0, -m % 16), (0, 0)]).reshape(-1, 16, k)
-    rotated = hadamard_runs([runs[:, r, :] for r in range(16)], hadamard_signs())
-    # the runs' elementwise max, then one reduction (a stack of them was written out)
+    rotated = hadamard_runs([runs[:, r, :].reshape(-1) for r in range(16)], hadamard_signs())
+    # the runs' elementwise max, then one reduction (a stack of them was written out); 1-D,
+    # as in `_flat_amax`
     return jnp.max(functools.reduce(jnp.maximum, [_magnitude(r) for r in rotated]))
+
+
+def _flat_amax(x: jax.Array) -> jax.Array:
+    """`max |x|` (NaN as inf) of `x` as 1-D. XLA:GPU shares a broadcast constant of one
+    shape between parts of a program, and with it the layout one part gives it: of a 2-D `x`,
+    the inf of `_magnitude` with that of a gradient of the same shape in its XLA-reference
+    quantisation (laid out transposed), which made XLA write a transposed float32 `|x|`."""
+    return jnp.max(_magnitude(x.reshape(-1)))
 
 
 def _fp4(packed: jax.Array, n: int) -> jax.Array:
@@ -347,7 +356,7 @@ def quantize_orientations_kernel(x, column_seed, *, scaling, power_of_two, role,
 
         t_rows = t_cols = None
     else:
-        t_rows = nvfp4_tensor_scale(jnp.max(_magnitude(x.astype(_F32))))
+        t_rows = nvfp4_tensor_scale(_flat_amax(x.astype(_F32)))
         t_cols = nvfp4_tensor_scale(_rotated_amax(x)) if column_hadamard else t_rows
         seed = None if column_seed is None else jnp.asarray(column_seed, jnp.uint32)
         ts = jnp.stack([t_rows, t_cols])
