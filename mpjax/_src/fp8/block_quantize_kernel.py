@@ -307,17 +307,17 @@ def _rotated_amax(x: jax.Array) -> jax.Array:
     The max is exact: the bits are the rotated copy's amax."""
     m, k = x.shape
     runs = jnp.pad(x.astype(_F32), [(0, -m % 16), (0, 0)]).reshape(-1, 16, k)
-    rotated = hadamard_runs([runs[:, r, :].reshape(-1) for r in range(16)], hadamard_signs())
-    # the runs' elementwise max, then one reduction (a stack of them was written out); 1-D,
-    # as in `_flat_amax`
+    rotated = hadamard_runs([runs[:, r, :] for r in range(16)], hadamard_signs())
+    # the runs' elementwise max, then one reduction (a stack of them was written out)
     return jnp.max(functools.reduce(jnp.maximum, [_magnitude(r) for r in rotated]))
 
 
 def _flat_amax(x: jax.Array) -> jax.Array:
-    """`max |x|` (NaN as inf) of `x` as 1-D. XLA:GPU shares a broadcast constant of one
-    shape between parts of a program, and with it the layout one part gives it: of a 2-D `x`,
-    the inf of `_magnitude` with that of a gradient of the same shape in its XLA-reference
-    quantisation (laid out transposed), which made XLA write a transposed float32 `|x|`."""
+    """`max |x|` (NaN as inf) of `x` as 1-D: a weight's. XLA:GPU shares a broadcast constant
+    of one shape between parts of a program, and with it the layout one part gives it: of a
+    2-D weight, the inf of `_magnitude` with that of a gradient of the same shape in its
+    XLA-reference quantisation (laid out transposed), and wrote a transposed float32 `|w|`.
+    (An activation's stays 2-D: XLA fuses that amax into its producer.)"""
     return jnp.max(_magnitude(x.reshape(-1)))
 
 
@@ -356,7 +356,8 @@ def quantize_orientations_kernel(x, column_seed, *, scaling, power_of_two, role,
 
         t_rows = t_cols = None
     else:
-        t_rows = nvfp4_tensor_scale(_flat_amax(x.astype(_F32)))
+        xf = x.astype(_F32)  # a weight's amax as 1-D (`_flat_amax`); an activation's in place
+        t_rows = nvfp4_tensor_scale(_flat_amax(xf) if two_d else jnp.max(_magnitude(xf)))
         t_cols = nvfp4_tensor_scale(_rotated_amax(x)) if column_hadamard else t_rows
         seed = None if column_seed is None else jnp.asarray(column_seed, jnp.uint32)
         ts = jnp.stack([t_rows, t_cols])
