@@ -4,7 +4,10 @@ Writes one JSON object to `--json PATH`: for each block-scaled recipe and target
 NVFP4 on the B200, blockwise on the H100), the GEMMs of the optimized HLO of one training
 step (loss and gradients) of a small pre-LN transformer LM (attention, MLP, vocabulary head)
 under `autocast(..., "bfloat16", fp8=recipe)`: their FLOPs by operand dtype (`flops`) and
-each GEMM's operand dtypes and name stack (`gemms`).
+each GEMM's operand dtypes and name stack (`gemms`), the fused quantiser's launches' bytes
+(`quantize`) and what the quantisations read and write (`io`, `quantise_io`: per quantised
+tensor its role, quantise kernels and whether the fused kernel made it; the transposes,
+float32 copies and float32 operands of the quantised tensors, as `"dtype[shape] kernel (op)"`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np  # noqa: E402
 
 import mpjax  # noqa: E402
 from mpjax._src.analysis import hlo_cost  # noqa: E402
+from mpjax._src.analysis.quantise_io import quantise_io  # noqa: E402
 from mpjax._src.analysis.target import (  # noqa: E402
     B200_TARGET,
     H100_TARGET,
@@ -89,7 +93,18 @@ def step_gemms(
     # the fused quantiser's launches (Triton custom calls named so) and their bytes
     names = set(re.findall(rf"%?([\w.\-]+) = [^\n]*__gpu\$xla\.gpu\.triton[^\n]*{QUANTIZE}", text))
     quantize = [k.bytes for k in report.kernels if k.name in names]
-    return {"flops": dict(report.gemm_flops), "gemms": gemms, "quantize": quantize}
+    io = quantise_io(text)
+    return {
+        "flops": dict(report.gemm_flops),
+        "gemms": gemms,
+        "quantize": quantize,
+        "io": {
+            "tensors": [[t.role, len(t.kernels), t.fused] for t in io.tensors],
+            "transposes": list(io.transposes),
+            "f32_copies": list(io.float32_copies),
+            "f32_operands": list(io.float32_operands),
+        },
+    }
 
 
 def main() -> None:

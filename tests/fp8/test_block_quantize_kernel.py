@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from mpjax._src.fp8.block_codes import e2m1_code, e4m3_bits
-from mpjax._src.fp8.block_quantize_kernel import unsupported
+from mpjax._src.fp8.block_quantize_kernel import _flat_amax, _rotated_amax, unsupported
+from mpjax._src.fp8.blocks import _magnitude
+from mpjax._src.fp8.hadamard import random_hadamard
 from mpjax.fp8 import quantize_orientations
 
 ROLES = ("activation", "weight", "gradient")
@@ -148,3 +150,17 @@ def test_unsupported_inputs_go_to_the_reference():
     _assert_same(auto, quantize_orientations(x16, "mxfp8", impl="xla"))
     with pytest.raises(ValueError, match="impl must be one of"):
         quantize_orientations(x16, "mxfp8", impl="triton")
+
+
+@pytest.mark.parametrize("shape", [(38, 70), (64, 48), (3, 5)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("special", [False, True])
+def test_rotated_amax_is_the_rotated_copys_amax(shape, dtype, special):
+    """NVFP4's columns tensor scale comes from `_rotated_amax` (no moved axis): bit for bit
+    the amax of `random_hadamard(x, 0)` (ragged M padded, 40 binades, inf and NaN); the rows
+    one from `_flat_amax`."""
+    x = _wide(shape, dtype, special) if min(shape) > 16 else jnp.full(shape, -3.0, dtype)
+    want = jnp.max(_magnitude(random_hadamard(x, 0)))
+    np.testing.assert_array_equal(_bits(_rotated_amax(x)), _bits(want))
+    xf = x.astype(jnp.float32)  # and the rows tensor scale's amax, of x as 1-D
+    np.testing.assert_array_equal(_bits(_flat_amax(xf)), _bits(jnp.max(_magnitude(xf))))

@@ -41,7 +41,7 @@ from mpjax._src.fp8.blocks import (
     hash_uniform,
     nvfp4_tensor_scale,
 )
-from mpjax._src.fp8.hadamard import hadamard_signs, random_hadamard
+from mpjax._src.fp8.hadamard import hadamard_runs, hadamard_signs
 from mpjax._src.fp8.oriented import OrientedBlocks
 from mpjax._src.kernels.common import MAX_ELEMENTS
 
@@ -300,6 +300,27 @@ def _fp4_call(x, tensor_scales, seed, two_d, make_rows, columns, hadamard, inter
     )(*args)
 
 
+def _rotated_amax(x: jax.Array) -> jax.Array:
+    """`max |random_hadamard(x, 0)|` (NaN as inf): the same runs and sums, with axis 0 left
+    in place (a run is 16 strided rows), so that XLA reads `x` once in one reduction; through
+    `random_hadamard`'s moved axis it wrote a transposed and a rotated float32 copy of `x`.
+    The max is exact: the bits are the rotated copy's amax."""
+    m, k = x.shape
+    runs = jnp.pad(x.astype(_F32), [(0, -m % 16), (0, 0)]).reshape(-1, 16, k)
+    rotated = hadamard_runs([runs[:, r, :] for r in range(16)], hadamard_signs())
+    # the runs' elementwise max, then one reduction (a stack of them was written out)
+    return jnp.max(functools.reduce(jnp.maximum, [_magnitude(r) for r in rotated]))
+
+
+def _flat_amax(x: jax.Array) -> jax.Array:
+    """`max |x|` (NaN as inf) of `x` as 1-D: a weight's. XLA:GPU shares a broadcast constant
+    of one shape between parts of a program, and with it the layout one part gives it: of a
+    2-D weight, the inf of `_magnitude` with that of a gradient of the same shape in its
+    XLA-reference quantisation (laid out transposed), and wrote a transposed float32 `|w|`.
+    (An activation's stays 2-D: XLA fuses that amax into its producer.)"""
+    return jnp.max(_magnitude(x.reshape(-1)))
+
+
 def _fp4(packed: jax.Array, n: int) -> jax.Array:
     """uint8 `[R, n // 2]` of packed codes as float4_e2m1fn `[R, n]` (low nibble first)."""
     return lax.bitcast_convert_type(packed, jnp.float4_e2m1fn).reshape(packed.shape[0], n)
@@ -335,9 +356,9 @@ def quantize_orientations_kernel(x, column_seed, *, scaling, power_of_two, role,
 
         t_rows = t_cols = None
     else:
-        t_rows = nvfp4_tensor_scale(jnp.max(_magnitude(x.astype(_F32))))
-        c = random_hadamard(x, 0) if column_hadamard else None
-        t_cols = t_rows if c is None else nvfp4_tensor_scale(jnp.max(_magnitude(c)))
+        xf = x.astype(_F32)  # a weight's amax as 1-D (`_flat_amax`); an activation's in place
+        t_rows = nvfp4_tensor_scale(_flat_amax(xf) if two_d else jnp.max(_magnitude(xf)))
+        t_cols = nvfp4_tensor_scale(_rotated_amax(x)) if column_hadamard else t_rows
         seed = None if column_seed is None else jnp.asarray(column_seed, jnp.uint32)
         ts = jnp.stack([t_rows, t_cols])
         outs = iter(_fp4_call(x, ts, seed, two_d, make_rows, columns, column_hadamard, interpret))
