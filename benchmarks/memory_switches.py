@@ -17,7 +17,7 @@ alone, with every block under `nn.remat(dots_with_no_batch_dims_saveable)`, unde
 remat), mpjax's `apply_policy` path without any switch, each switch alone, all switches
 together, and all switches with every block under each remat policy of `REMAT`. Every row
 also records its roofline (`hlo_cost` at H100 peaks) and compile time; the docs plot memory
-against roofline time for every row (`benchmarks/tables.plot_frontier`).
+against roofline time for every row (`benchmarks/tables_plots.plot_frontier`).
 
 A switch is a function `Knobs -> Knobs` in `SWITCHES` (a few lines): it changes the
 policy, the LM's fields, the loss or the training state. A switch or anchor whose code is

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.names import sizes_in_words
-from benchmarks.tables import folded, markdown_table
+from benchmarks.tables import folded
+from benchmarks.tables_format import markdown_table
 
 GIB = 2**30
 

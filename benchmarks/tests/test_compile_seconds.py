@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks import harness, tables
+from benchmarks import harness, tables_builders
+from benchmarks.tables_format import COMPILE
 from benchmarks.tests.test_suite import MODELS, _record
 
 
@@ -40,11 +41,15 @@ def test_cost_tables_show_compile_seconds_with_the_ratio_to_the_anchor():
         _record("cost", "lm", "policy", trace_s=2.0, compile_s=6.0, **OTHER),
         _record("cost", "lm", "old-record", **OTHER),  # from before compile times were kept
     ]
-    cols, rows = _full_rows(tables.cost_table, records)
-    at = cols.index(tables.COMPILE)
+    cols, rows = _full_rows(tables_builders.cost_table, records)
+    at = cols.index(COMPILE)
     assert rows["bf16"][at] == "4.0 (1.00x)"
     assert rows["policy"][at] == "8.0 (2.00x)"
     assert rows["old-record"][at] == "-"
-    for builder in (tables.fp8_table, tables.blocks_table, tables.multi_gpu_table):
+    for builder in (
+        tables_builders.fp8_table,
+        tables_builders.blocks_table,
+        tables_builders.multi_gpu_table,
+    ):
         cols, rows = _full_rows(builder, records)
-        assert rows["policy"][cols.index(tables.COMPILE)] == "8.0 (2.00x)"
+        assert rows["policy"][cols.index(COMPILE)] == "8.0 (2.00x)"

@@ -102,7 +102,7 @@ def _detail(row, gib, ms_, hand):
 
 
 def test_frontier_names_the_smallest_mpjax_step_at_no_more_time(tmp_path):
-    from benchmarks.tables import plot_frontier
+    from benchmarks.tables_plots import plot_frontier
     from docs.memory_switch_tables import frontier_section
 
     details = [

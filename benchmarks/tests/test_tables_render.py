@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import tables
+from benchmarks import tables, tables_format, tables_plots, tables_studies
 from benchmarks.tests.test_suite import _record
 
 
@@ -20,7 +20,7 @@ def _ratios_figure(monkeypatch, tmp_path, records):
 
     kept = []
     monkeypatch.setattr(plt, "close", kept.append)
-    tables.plot_ratios(records, tmp_path / "p.png")
+    tables_plots.plot_ratios(records, tmp_path / "p.png")
     (fig,) = kept
     fig.canvas.draw()
     return fig
@@ -50,8 +50,8 @@ def test_ratio_plot_labels_sit_beside_their_bars_inside_the_plot(monkeypatch, tm
 
 
 def test_cells_never_print_an_exponent():
-    assert tables.cell(1.035e4) == "10350"
-    assert tables.cell(0.9641) == "0.9641"
+    assert tables_format.cell(1.035e4) == "10350"
+    assert tables_format.cell(0.9641) == "0.9641"
 
 
 def test_study_byte_counts_read_in_mib_and_the_short_table_keeps_what_is_compared():
@@ -60,7 +60,7 @@ def test_study_byte_counts_read_in_mib_and_the_short_table_keeps_what_is_compare
     rows = [["cnn", "autocast", 689213824, 0.988, 88770560, 0.914, 1.041, 40]]
     figures = {"title": "autocast vs Flax", "columns": columns, "rows": rows, "notes": ""}
     record = {"table": "autocast-cpu", "status": "ok", "figures": figures}
-    s_cols, s_rows, f_cols, f_rows = tables.study_table([record])
+    s_cols, s_rows, f_cols, f_rows = tables_studies.study_table([record])
     assert "accessed (MiB)" in f_cols and "temp (MiB)" in f_cols
     assert f_rows[0][f_cols.index("accessed (MiB)")] == "657.3"
     assert len(s_cols) == 5 and "converts (StableHLO)" not in s_cols
