@@ -14,7 +14,8 @@ from mpjax._src.core.policy import (
 )
 from mpjax._src.flax.apply import apply_policy
 from mpjax._src.flax.defaults import DEFAULTS, NO_DEFAULTS, Defaults
-from mpjax._src.flax.linen import PolicyModule, linen_module_policies
+from mpjax._src.flax.linen import linen_module_policies
+from mpjax._src.flax.linen_intercept import PolicyModule
 from mpjax._src.flax.nnx import module_policies
 from mpjax._src.flax.rules import parse_rules
 

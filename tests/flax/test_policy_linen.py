@@ -10,7 +10,7 @@ from flax import nnx
 
 import mpjax
 from mpjax._src.analysis.param_casts import param_casts  # noqa: E402
-from mpjax._src.flax.linen import float32_softmax_attention
+from mpjax._src.flax.linen_attention import float32_softmax_attention
 from mpjax.policy import linen_module_policies
 from tests.helpers.policy import (
     TOL,

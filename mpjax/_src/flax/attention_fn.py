@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 from mpjax._src.flax.fused_attention import fused_or
-from mpjax._src.flax.linen import float32_softmax_attention as linen_float32_softmax
+from mpjax._src.flax.linen_attention import float32_softmax_attention as linen_float32_softmax
 from mpjax._src.flax.nnx_attention import float32_softmax_attention as nnx_float32_softmax
 
 __all__ = ["dot_product_attention"]

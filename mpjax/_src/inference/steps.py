@@ -31,7 +31,8 @@ from flax.core import meta, unfreeze
 from mpjax._src.core.policy import Policy, as_float_dtype, cast_floating, get_policy
 from mpjax._src.flax.apply import apply_policy
 from mpjax._src.flax.conv_bn import ConvBN
-from mpjax._src.flax.linen import PolicyModule, linen_module_policies
+from mpjax._src.flax.linen import linen_module_policies
+from mpjax._src.flax.linen_intercept import PolicyModule
 from mpjax._src.inference.runtime import PolicyRunner, Runner
 from mpjax._src.inference.trace import NORM_TYPES, FoldReport, Path, Trace, path_str, trace_model
 
