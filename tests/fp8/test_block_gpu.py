@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpjax._src.analysis.hlo_cost import BLOCKWISE_GEMM
+from mpjax._src.analysis.hlo_flops import BLOCKWISE_GEMM
 from mpjax._src.kernels.blockwise_gemm import KERNEL_NAME
 from tests.helpers.gpu import _run_json
 
