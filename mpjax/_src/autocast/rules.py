@@ -32,7 +32,7 @@ __all__ = [
     "widest",
 ]
 
-# Origins of a value in the interpreter (see `autocast._eval_jaxpr`). FULL: the result of a
+# Origins of a value in the interpreter (see `interpreter._eval_jaxpr`). FULL: the result of a
 # float32-list op (or computed from one at float32 or wider); PEAK: a FULL value computed
 # from maxima/minima alone (the shift of a softmax, which starts no normalisation).
 STRONG, FLEX, LOW, NARROW, ARG, FULL, PEAK = 0, 1, 2, 3, 4, 5, 6
