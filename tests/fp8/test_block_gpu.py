@@ -51,8 +51,10 @@ def test_h100_step_runs_every_dense_gemm_of_blockwise_in_fp8(flops):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placed", ["mesh", "lower_step"])
-@pytest.mark.parametrize(("target", "scaling"), [("b200", "mxfp8"), ("h100", "blockwise")])
+@pytest.mark.parametrize(
+    ("target", "scaling", "placed"),
+    [("b200", "mxfp8", "mesh"), ("h100", "blockwise", "lower_step")],
+)
 def test_auto_lowering_compiled_for_the_gpu_is_native(flops, target, scaling, placed):
     """`block_lowering="auto"` with the arguments on the deviceless GPU's mesh, or through
     `lower_step` (`mpjax.report`), lowers as `"native"` does (it was emulated off a GPU)."""
