@@ -14,7 +14,9 @@ with the anchor's cuDNN attention, `jax.nn.dot_product_attention(implementation=
 Block-scaled (`BLOCK_VARIANTS`, issue 30): `fp8-blockwise` (DeepSeek-V3's 1x128 / 128x128
 recipe; on the H100 mpjax's Pallas kernel runs each GEMM in fp8), `fp8-blockwise-emulated`
 (the same numbers dequantised to bf16), `fp8-mxfp8` and `fp8-nvfp4` (cuDNN block-scaled
-GEMMs on the B200 target); the LM head stays bf16.
+GEMMs on the B200 target); the LM head stays bf16. `-roofline`: the same recipe with
+`choose="roofline"` for its GPU (each GEMM in the recipe's format or in bf16, whichever the
+roofline prefers).
 
 ResNet: `fp8-conv` (`Fp8Recipe(convs="none")`, every convolution bf16), `fp8-1x1` (each 1x1
 convolution an fp8 GEMM forward and backward) and `fp8-1x1-min256` / `-min512` (only those
@@ -158,10 +160,16 @@ FP8_VARIANTS = MappingProxyType(
 assert not set(FP8_VARIANTS) & set(LM_VARIANTS)
 
 
-def _autocast_blocks(scaling: str, lowering: str = "native"):
+def _autocast_blocks(scaling: str, lowering: str = "native", roofline_for: str | None = None):
+    """`roofline_for`: a GPU; each GEMM then takes the format its roofline there prefers
+    (`choose="roofline"`: the recipe's, or bf16 where quantising costs more than it saves)."""
+
     def build(cfg):
         model = _lm(cfg, attention_fn=cudnn_attention)
-        recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering=lowering, exclude=("*/head",))
+        choice = {"choose": "roofline", "target": roofline_for} if roofline_for else {}
+        recipe = mpjax.Fp8Recipe(
+            scaling=scaling, block_lowering=lowering, exclude=("*/head",), **choice
+        )
         return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), _lm(cfg))
 
     return build
@@ -176,6 +184,9 @@ BLOCK_VARIANTS = MappingProxyType(
         "fp8-blockwise-emulated": _autocast_blocks("blockwise", "emulated"),
         "fp8-mxfp8": _autocast_blocks("mxfp8"),
         "fp8-nvfp4": _autocast_blocks("nvfp4"),
+        "fp8-blockwise-roofline": _autocast_blocks("blockwise", roofline_for="h100"),
+        "fp8-mxfp8-roofline": _autocast_blocks("mxfp8", roofline_for="b200"),
+        "fp8-nvfp4-roofline": _autocast_blocks("nvfp4", roofline_for="b200"),
     }
 )
 
