@@ -66,19 +66,19 @@ def _check(x, scaling, seed=None, **options):
     return got
 
 
-@pytest.mark.parametrize("special", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("scaling", ["mxfp8", "blockwise", "nvfp4"])
-def test_kernel_is_the_reference_bit_for_bit(scaling, role, dtype, special):
+def test_kernel_is_the_reference_bit_for_bit(scaling, role, dtype):
+    """The first ragged shape finite (zero blocks, 40 binades), the second also with an inf
+    and a NaN block: each interpreted compile costs CI seconds, so one shape each."""
     for i, shape in enumerate(SHAPES[scaling]):
-        x = _wide(shape, dtype, special, seed=i)
+        x = _wide(shape, dtype, special=i == 1, seed=i)
         q = _check(x, scaling, role=role)
         assert q.rows.data.shape == shape and q.columns.data.shape == shape[::-1]
 
 
-@pytest.mark.parametrize("rows", [True, False])
-@pytest.mark.parametrize("role", ["gradient", "weight"])
+@pytest.mark.parametrize(("role", "rows"), [("gradient", True), ("weight", False)])
 def test_nvfp4_hadamard_columns_with_a_seed(role, rows):
     x = _wide((38, 70), jnp.bfloat16, special=False, seed=5)
     seed = jnp.uint32(987654321)
