@@ -85,3 +85,28 @@ def test_weight_gradient_within_e4m3_bound():
     assert np.all(np.abs(dw - ref) <= weight_grad_bound(2 * x, c))
     plain = jax.jit(jax.grad(mpjax.autocast(lambda x, w, c: jnp.sum(((2 * x) @ w) * c), PLAIN), 1))
     assert np.abs(dw - np.asarray(plain(x, w, c), np.float64)).max() > 0
+
+
+def _e4m3_casts(fun, *args) -> int:
+    """The float32/bf16 -> e4m3 conversions in the jaxpr of `fun`'s gradient."""
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: fun(*a), range(len(args))))(*args)
+    return str(jaxpr).count("new_dtype=float8_e4m3fn")
+
+
+def test_with_an_fp8_recipe_the_saved_input_is_the_fp8_gemms_own_operand():
+    """Under `fp8=Fp8Recipe()` every GEMM input is already quantised for the GEMM: the option
+    keeps that copy (one e4m3 residual per activation input, no bf16 copy) and adds no
+    second quantisation of the same tensor (as many e4m3 casts as without the option)."""
+    m, k, h, d = 32, 16, 64, 48  # fp8 GEMM sizes: multiples of 16, all different
+    rng = np.random.default_rng(1)
+    shapes = [(m, k), (k, h), (h,), (h, d), (d, d)]
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) * 0.1 for s in shapes]
+    recipe = mpjax.Fp8Recipe(min_dim=16)
+    plain = mpjax.autocast(_mlp, PLAIN, fp8=recipe)
+    saved = mpjax.autocast(_mlp, SAVED, fp8=recipe)
+    assert _e4m3_casts(saved, *args) == _e4m3_casts(plain, *args) == 6  # x, h, h @ w2, 3 w
+    kept = residuals(saved, *args)
+    for shape in ((m, k), (m, h), (m, d)):
+        assert kept.count((E4M3, shape)) == 1, (shape, kept)
+    assert (BF16, (m, k)) not in kept and (BF16, (m, d)) not in kept, kept
+    assert kept.count((BF16, (m, h))) == 1  # only the GELU's input, for its own backward
