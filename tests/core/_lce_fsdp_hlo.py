@@ -8,7 +8,8 @@ the hidden states split along the batch, the `[d, vocab]` float32 kernel along t
 vocabulary, as `benchmarks/` splits a train step; `{"error": ...}` for one that did not
 compile), each
 `[op, dtype, shape, bytes, runs]` with `runs` its runs per step (a `while` body's: the trip
-count), those inside loops marked, and the roofline (`mpjax/_src/analysis/hlo_cost.py`).
+count), those inside loops marked, and the roofline (`mpjax/_src/analysis/hlo_cost.py`);
+also, on the Auto mesh, the loss in one tile (no loop) and the hand-written unfused loss.
 """
 
 from __future__ import annotations
@@ -40,7 +41,19 @@ def loss(hidden, kernel, labels):
     return linear_cross_entropy(hidden, kernel, labels, chunk_size=256, dtype=jnp.bfloat16)
 
 
-def figures(axis_type: AxisType) -> dict:
+def one_tile(hidden, kernel, labels):
+    """The whole vocabulary in one tile (no loop)."""
+    return linear_cross_entropy(hidden, kernel, labels, chunk_size=BATCH * SEQ, dtype=jnp.bfloat16)
+
+
+def unfused(hidden, kernel, labels):
+    """The hand-written loss: bf16 logits, float32 log-softmax."""
+    logits = (hidden @ kernel.astype(jnp.bfloat16)).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def figures(axis_type: AxisType, fun=loss) -> dict:
     devices = h100_topology("1x1x8").devices
     mesh = Mesh(np.array(devices), ("fsdp",), axis_types=(axis_type,))
 
@@ -53,7 +66,7 @@ def figures(axis_type: AxisType) -> dict:
         arg((BATCH, SEQ), jnp.int32, P("fsdp")),
     )
     out = (NamedSharding(mesh, P()), (args[0].sharding, args[1].sharding))
-    step = jax.jit(jax.value_and_grad(loss, (0, 1)), out_shardings=out)
+    step = jax.jit(jax.value_and_grad(fun, (0, 1)), out_shardings=out)
     with target_cudnn():
         text = step.trace(*args).lower().compile().as_text()
     looped = {c.name: runs for c, runs in loop_collectives(text)}
@@ -76,6 +89,9 @@ def main() -> None:
             out[axis_type.name] = figures(axis_type)
         except Exception as e:  # noqa: BLE001 - the test reports it, the other program runs
             out[axis_type.name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    # one tile (no loop): the partitioner's plan, against the hand-written loss's
+    for name, fun in (("Auto/one-tile", one_tile), ("Auto/unfused", unfused)):
+        out[name] = figures(AxisType.Auto, fun)
     Path(path).write_text(json.dumps(out))
 
 

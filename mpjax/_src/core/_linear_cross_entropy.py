@@ -125,15 +125,18 @@ def _replicated(a: jax.Array, ndim: int) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * ndim)))
 
 
-def _gathered(a: jax.Array) -> jax.Array:
+def _gathered(a: jax.Array, looped: bool = True) -> jax.Array:
     """`a` replicated over the axes of its mesh that the program partitions (FSDP gathers a
     weight once before its use). A no-op without a mesh (one device), with axes of size 1
     or all Manual (inside `shard_map`: the arrays are the device's own).
 
     Explicit axes are resharded; Auto axes (a `jit` of `NamedSharding` arguments, with or
-    without `jax.set_mesh`) are constrained: left to the partitioner, a weight sharded
-    along the vocabulary is cut into tiles sharded along the loop, and every step of the
-    loop gathers the whole weight to slice its tile (XLA hoists no gather out of a loop).
+    without `jax.set_mesh`) are constrained when the vocabulary runs in a loop (`looped`):
+    left to the partitioner, a weight sharded along the vocabulary is cut into tiles
+    sharded along the loop, and every step of the loop gathers the whole weight to slice
+    its tile (XLA hoists no gather out of a loop). With one tile there is no loop and the
+    partitioner's own plan stays (GPT-2 at quick size on 8 H100s: 30 % fewer collective
+    bytes than gathering the weight).
     """
     mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
     if mesh is None or mesh.empty:
@@ -143,7 +146,7 @@ def _gathered(a: jax.Array) -> jax.Array:
     everywhere = _replicated(a, a.ndim)
     if _sharded(a):
         a = jax.sharding.reshard(a, everywhere)
-    if any(types[n] == jax.sharding.AxisType.Auto for n in split):
+    if looped and any(types[n] == jax.sharding.AxisType.Auto for n in split):
         a = _replicate_forward(a, everywhere)
     return a
 
@@ -349,8 +352,10 @@ def linear_cross_entropy(
     pad = tiles * width - vocab
     # Cast outside the custom_vjp: the gradients leave it in the compute dtype (as a GEMM's
     # would), so a sharded kernel's gradient is reduced across devices in that dtype.
-    k = _gathered(kernel.astype(dtype))
-    b32 = jnp.zeros((vocab,), _F32) if bias is None else _gathered(bias.astype(_F32))
+    k = _gathered(kernel.astype(dtype), looped=tiles > 1)
+    b32 = jnp.zeros((vocab,), _F32)
+    if bias is not None:
+        b32 = _gathered(bias.astype(_F32), looped=tiles > 1)
     k = jnp.pad(k, ((0, 0), (0, pad))).reshape(d, tiles, width).transpose(1, 0, 2)
     b32 = jnp.pad(b32, (0, pad), constant_values=-jnp.inf).reshape(tiles, width)
     args = _varying_alike(flat_x, k, b32, flat_labels, valid, bad)
