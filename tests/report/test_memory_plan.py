@@ -77,17 +77,24 @@ def nn_block():
 
 
 def test_a_plan_on_the_current_backend_fits_and_report_lists_it():
+    """The smaller of two rungs is chosen at its own size, and `report` lists the choice.
+
+    Which rung is smaller depends on the backend: on XLA:CPU this stack under full remat
+    takes more than keeping its activations (34.7 against 23.0 MB, since activations keep
+    only their inputs; 35.6 MB before), on the deviceless H100 less
+    (`test_memory_plan_gpu.py`)."""
     keep, *_, full = mpjax.MEMORY_LADDER
     args = example_args()
     roomy = mpjax.memory_plan(make_step, *args, budget=2**40, target=None, ladder=(keep, full))
     sizes = {c.rung: c.total_bytes for c in roomy.candidates}
-    assert sizes["full remat"] < sizes["keep"]
-    plan = roomy.with_budget(sizes["full remat"])
-    assert plan.choice is full
+    assert set(sizes) == {"keep", "full remat"} and sizes["keep"] != sizes["full remat"]
+    small = min(sizes, key=sizes.get)
+    plan = roomy.with_budget(sizes[small])
+    assert plan.choice.name == small
     report = mpjax.report(plan.step, *args, memory_plan=plan)
     text = str(report)
     assert "memory plan (budget" in text and "full remat" in text and "keep" in text
-    assert "memory plan (cpu): full remat" in report.summary()
-    assert report.to_dict()["memory_plan"]["choice"]["name"] == "full remat"
-    with pytest.raises(ValueError, match=f"the smallest is 'full remat': {sizes['full remat']}"):
+    assert f"memory plan (cpu): {small}" in report.summary()
+    assert report.to_dict()["memory_plan"]["choice"]["name"] == small
+    with pytest.raises(ValueError, match=f"the smallest is '{small}': {sizes[small]}"):
         mpjax.memory_plan(make_step, *args, budget=1, target=None, ladder=(keep, full))

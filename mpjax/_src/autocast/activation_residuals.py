@@ -116,6 +116,7 @@ def keep_activation_inputs(fun: Callable) -> Callable:
 
     Example:
       >>> import jax, jax.numpy as jnp
+      >>> from mpjax._src.autocast.activation_residuals import keep_activation_inputs
       >>> mlp = lambda h, w: jax.nn.gelu(h) @ w
       >>> h, w = jnp.ones((4, 8)), jnp.ones((8, 2))
       >>> _, vjp = jax.vjp(keep_activation_inputs(mlp), h, w)
