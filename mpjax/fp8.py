@@ -31,6 +31,7 @@ from mpjax._src.fp8.saved import (
     saved_activations_policy,
     saved_in_fp8,
 )
+from mpjax._src.fp8.weight_copies import WeightCopies, weight_copies
 
 __all__ = [
     "BLOCK_SCALINGS",
@@ -45,6 +46,7 @@ __all__ = [
     "NVFP4_HIGH_PRECISION_LAST",
     "OrientedBlocks",
     "SAVED_FP8_NAME",
+    "WeightCopies",
     "amax",
     "block_scaled_dot_general",
     "block_shape",
@@ -69,4 +71,5 @@ __all__ = [
     "saved_in_fp8",
     "update_fp8_meta",
     "update_nnx_fp8_meta",
+    "weight_copies",
 ]

@@ -47,6 +47,7 @@ from mpjax._src.autocast.regions import REGION_SCOPE, is_nested, tracing
 from mpjax._src.autocast.rules import ARG, cast, dtype_of
 from mpjax._src.core.policy import Policy, as_float_dtype, get_policy
 from mpjax._src.fp8.recipe import Fp8Recipe
+from mpjax._src.fp8.weight_copies import weight_lookup
 
 __all__ = ["autocast"]
 
@@ -84,6 +85,7 @@ def autocast(
     op_lists: OpLists | None = None,
     accumulation_dtype: Any = jnp.float32,
     fp8: Fp8Recipe | None = None,
+    fp8_weights: Any = None,
 ) -> Callable:
     """Returns `fun` rewritten to run in mixed precision, like `torch.autocast`.
 
@@ -126,6 +128,9 @@ def autocast(
         `mpjax.fp8.fp8_ops` lists which ops run in fp8. A pointwise chain with a
         transcendental op (a GELU) that only such a GEMM reads is recomputed in the
         backward pass instead of keeping its intermediates (`mpjax._src.autocast.fp8_recompute`).
+      fp8_weights: a `WeightCopies` (`mpjax.fp8.weight_copies`): the block-scaled GEMMs that
+        read a weight it has copies of take them instead of quantising the weight (once per
+        step under gradient accumulation).
 
     Returns:
       A function with `fun`'s signature.
@@ -148,6 +153,7 @@ def autocast(
             op_lists=op_lists,
             accumulation_dtype=accumulation_dtype,
             fp8=fp8,
+            fp8_weights=fp8_weights,
         )
     if not callable(fun):
         raise TypeError(f"autocast: fun must be callable, got {type(fun).__name__}")
@@ -169,6 +175,11 @@ def autocast(
     # float64 is never autocast (as in torch), unless the policy itself names float64: then
     # float64 was asked for, and the output dtype it names is honoured.
     keep_wide = not any(_wide(d) for d in (pol.param_dtype, pol.compute_dtype, pol.output_dtype))
+    if fp8_weights is not None and fp8 is None:
+        raise ValueError(
+            "autocast: fp8_weights (block-quantised weight copies) need fp8=<the block-scaled "
+            "Fp8Recipe they were made for>"
+        )
     ctx = AutocastContext(
         pol.compute_dtype,
         accum,
@@ -196,6 +207,7 @@ def autocast(
             return out_leaves
 
         dyn_vals = [leaves[i] for i in dynamic]
+        weights = None if fp8_weights is None else weight_lookup(fp8_weights, args, leaves, dynamic)
         nested = is_nested()
         with tracing(), attention_in(pol.compute_dtype):
             closed = jax.make_jaxpr(flat_fun)(*dyn_vals)
@@ -203,7 +215,8 @@ def autocast(
         # outer rewrite keeps their dtypes (the innermost region's policy wins).
         region = jax.named_scope(REGION_SCOPE) if nested else contextlib.nullcontext()
         lower = functools.partial(_lower, lists)
-        run = ctx._replace(fp8_kept=frozenset(kept_last(ctx.fp8, closed.jaxpr, lower)))
+        kept = frozenset(kept_last(ctx.fp8, closed.jaxpr, lower))
+        run = ctx._replace(fp8_kept=kept, fp8_weights=weights)
         with region:
             outs, _ = _eval_jaxpr(run, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
             outs = [
@@ -213,4 +226,12 @@ def autocast(
 
     wrapped.policy = pol
     wrapped.op_lists = lists
+    wrapped.with_fp8_weights = functools.partial(
+        autocast,
+        fun,
+        policy,
+        op_lists=op_lists,
+        accumulation_dtype=accumulation_dtype,
+        fp8=fp8,
+    )
     return wrapped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -60,14 +61,20 @@ def fp8_candidate(recipe: Fp8Recipe, eqn) -> bool:
 
 
 def fp8_lower(
-    recipe: Fp8Recipe, compute: np.dtype, eqn, vals: list, lhs_quant: Callable | None = None
+    recipe: Fp8Recipe,
+    compute: np.dtype,
+    eqn,
+    vals: list,
+    lhs_quant: Callable | None = None,
+    weights: Any = None,
 ) -> list | None:
     """The fp8 GEMM for a `dot_general` or 1x1 convolution, or None (compute dtype).
 
     `vals` are the operands in the dtypes they arrived in (float32 masters are quantised
     directly, without a compute-dtype copy); the output is in `compute`. `lhs_quant()`, if
     given, returns a float32 recomputation of the left operand to quantise (or None; see
-    `mpjax._src.autocast.fp8_recompute`).
+    `mpjax._src.autocast.fp8_recompute`). `weights`, if given, is a `WeightLookup`: the
+    block-quantised copies of the right operand when it is one of the weights it knows.
     """
     if eqn.primitive.name not in ("dot_general", "conv_general_dilated") or len(vals) != 2:
         return None
@@ -83,7 +90,10 @@ def fp8_lower(
     if not fp8_eligible(recipe, site):
         return None
     quant = None if lhs_quant is None else lhs_quant()
-    return [fp8_dot_general(vals[0], vals[1], dims, recipe, compute, lhs_quant=quant)]
+    copies = None if weights is None else functools.partial(weights, vals[1])
+    return [
+        fp8_dot_general(vals[0], vals[1], dims, recipe, compute, lhs_quant=quant, rhs_copies=copies)
+    ]
 
 
 def fp8_chains(ctx: Any, jaxpr: Any) -> dict:

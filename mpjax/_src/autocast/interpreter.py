@@ -191,7 +191,9 @@ def _first_order(
     if category == "lower":
         kept = id(eqn) in ctx.fp8_kept  # Fp8Recipe.high_precision_last: named for the report
         fp8_outs = (
-            None if ctx.fp8 is None or kept else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant)
+            None
+            if ctx.fp8 is None or kept
+            else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant, ctx.fp8_weights)
         )
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)

@@ -92,8 +92,9 @@ OPAQUE = frozenset(
 
 class AutocastContext(NamedTuple):
     """What one autocast call rewrites with: dtypes, op lists, fp8 recipe, reduce dtype, and
-    the fp8 format of saved GEMM inputs (`Policy.saved_activations`), and the ids of the GEMM
-    equations `Fp8Recipe.high_precision_last` keeps in the compute dtype."""
+    the fp8 format of saved GEMM inputs (`Policy.saved_activations`), the ids of the GEMM
+    equations `Fp8Recipe.high_precision_last` keeps in the compute dtype, and the weights'
+    block-quantised copies (`mpjax._src.fp8.weight_copies.WeightLookup`) or None."""
 
     compute: np.dtype
     accum: np.dtype | None
@@ -102,6 +103,7 @@ class AutocastContext(NamedTuple):
     reduce: np.dtype | None = None
     saved: np.dtype | None = None
     fp8_kept: frozenset = frozenset()
+    fp8_weights: Any = None
 
 
 def size_of(x: Any) -> int:

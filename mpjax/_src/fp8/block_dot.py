@@ -38,10 +38,16 @@ from mpjax._src.fp8.blocks import (
     dequantize_blocks,
 )
 from mpjax._src.fp8.orientations import quantize_orientations
+from mpjax._src.fp8.oriented import OrientedBlocks
 from mpjax._src.fp8.recipe import Fp8Recipe
 from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm
 
-__all__ = ["block_scaled_dot_general", "gradient_seed", "native_block_gemms"]
+__all__ = [
+    "block_scaled_dot_general",
+    "gradient_seed",
+    "native_block_gemms",
+    "quantize_weight",
+]
 
 _F32 = jnp.float32
 
@@ -238,12 +244,45 @@ def _plain_product(a, b, contract, compute) -> Any:
     )
 
 
+def quantize_weight(
+    rhs: jax.Array,
+    contract: tuple[int, ...],
+    recipe: Fp8Recipe,
+    impl: str,
+    *,
+    rows: bool = True,
+    columns: bool = True,
+) -> OrientedBlocks:
+    """The copies of a GEMM's right operand its GEMMs read: `rhs` as `[contracted, free]`
+    (gathered whole over Explicit axes), `rows` along the free axes (the input gradient's),
+    `columns` along the contracted ones (the forward's); 2-D blocks for a 2-D `rhs` where
+    the recipe has them (its role is `"weight"`)."""
+    role = "weight" if np.ndim(rhs) == 2 else "activation"
+    b_kn = _contracted_rows(_replicated(rhs), tuple(contract))
+    return quantize_orientations(b_kn, recipe, role=role, rows=rows, columns=columns, impl=impl)
+
+
+def _check_copies(copies: OrientedBlocks, rhs: Any, contract: tuple[int, ...]) -> None:
+    """Refuses copies that are not of an operand shaped like `rhs` (contracted on `contract`)."""
+    k = int(np.prod([rhs.shape[i] for i in contract]))
+    n = int(np.prod(rhs.shape)) // max(k, 1)
+    rows, columns = copies.rows, copies.columns
+    got = tuple(None if c is None else c.data.shape for c in (rows, columns))
+    if rows is None or columns is None or rows.data.shape[0] != k or columns.data.shape[0] != n:
+        raise ValueError(
+            f"block_scaled_dot_general: rhs_copies (rows, columns data shapes {got}) are not "
+            f"the copies of an rhs {list(rhs.shape)} contracted on axes {contract}: expected "
+            f"both copies, rows of {k} and columns of {n} (quantize_weight makes them)"
+        )
+
+
 def block_scaled_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
     dimension_numbers: Any,
     recipe: Fp8Recipe,
     compute_dtype: Any,
+    rhs_copies: OrientedBlocks | None = None,
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs)` with block-scaled operands in all three GEMMs.
 
@@ -258,6 +297,9 @@ def block_scaled_dot_general(
       dimension_numbers: `dot_general` dimension numbers without batch dimensions.
       recipe: an `Fp8Recipe` with scaling `"mxfp8"`, `"nvfp4"` or `"blockwise"`.
       compute_dtype: the output's dtype (and the emulated GEMMs' operand dtype).
+      rhs_copies: `rhs`'s copies made beforehand (`quantize_weight(rhs, rc, recipe, impl)`,
+        as `mpjax.fp8.weight_copies` makes them once per step): both GEMMs that read `rhs`
+        take them and `rhs` is not quantised here; its gradient still flows to `rhs`.
 
     Returns:
       The product in `compute_dtype`.
@@ -286,45 +328,43 @@ def block_scaled_dot_general(
         )
     lc, rc = tuple(lc), tuple(rc)
     compute = np.dtype(compute_dtype)
+    if rhs_copies is not None:
+        _check_copies(rhs_copies, rhs, rc)
     _check_native(recipe)
     lhs, rhs = match_varying(lhs, rhs)  # under shard_map(check_vma=True)
     native = native_block_gemms(recipe, lhs, rhs)
     impl = "auto" if native else "xla"  # native: the fused quantiser kernel on CUDA GPUs
-    w_role = "weight" if np.ndim(rhs) == 2 else "activation"
     nvfp4 = recipe.scaling == "nvfp4"
     a_shape, a_dtype, a_sharding = lhs.shape, lhs.dtype, _sharding(lhs)
-    b_shape, b_dtype = rhs.shape, rhs.dtype
+    b_shape, b_dtype, b_sharding = rhs.shape, rhs.dtype, _sharding(rhs)
 
-    def forward(a_in, b_in):
-        a, b = _replicated(a_in), _replicated(b_in)
+    def forward(a_in, b_in, copies):
+        a = _replicated(a_in)
         # each operand quantised once, in both orientations its GEMMs read: the columns copy
         # of `a` ([K, M] along the tokens) is the weight gradient's, kept for the backward in
         # place of `a`; the rows copy of `b` ([K, N] along N) is the input gradient's
         qa = quantize_orientations(
             _as_rows(a, lc), recipe, columns=a_sharding is None, column_hadamard=nvfp4, impl=impl
         )
-        qb = quantize_orientations(_contracted_rows(b, rc), recipe, role=w_role, impl=impl)
+        qb = quantize_weight(b_in, rc, recipe, impl) if copies is None else copies
         out = _gemm(recipe, qa.rows, qb.columns, native, compute)
         a_free = [a.shape[i] for i in range(a.ndim) if i not in lc]
-        b_free = [b.shape[i] for i in range(b.ndim) if i not in rc]
+        b_free = [b_shape[i] for i in range(len(b_shape)) if i not in rc]
         out = out.reshape(a_free + b_free).astype(compute)
         # over Explicit axes the operands are kept as they came (sharded): copies are whole
         kept_a = a_in if a_sharding is not None else qa.columns
-        kept_b = b_in if _sharding(b_in) is not None else qb.rows
+        kept_b = b_in if _sharding(b_in) is not None and copies is None else qb.rows
         return _like(out, _plain_product(a_in, b_in, (lc, rc), compute)), (kept_a, kept_b)
 
     def backward(saved, g):
         kept_a, kept_b = saved
-        # the weight itself where it is sharded (its gradient takes its sharding)
-        b_in = None if isinstance(kept_b, BlockQuantized) else kept_b
         if not isinstance(kept_a, BlockQuantized):
             a_mk = _as_rows(_replicated(kept_a), lc)
             kept_a = quantize_orientations(
                 a_mk, recipe, rows=False, column_hadamard=nvfp4, impl=impl
             ).columns
         if not isinstance(kept_b, BlockQuantized):
-            b_kn = _contracted_rows(_replicated(kept_b), rc)
-            kept_b = quantize_orientations(b_kn, recipe, role=w_role, columns=False, impl=impl).rows
+            kept_b = quantize_weight(kept_b, rc, recipe, impl, columns=False).rows
         g = _replicated(g)
         na = len(a_shape) - len(lc)
         g_rows = g.reshape(int(np.prod(g.shape[:na])), -1)  # [M, N]
@@ -351,8 +391,10 @@ def block_scaled_dot_general(
         db = jnp.transpose(db, np.argsort(list(rc) + b_free))
         da = da.astype(a_dtype)
         da = da if a_sharding is None else jax.sharding.reshard(da, a_sharding)
-        return da, _like(db.astype(b_dtype), b_in)
+        db = db.astype(b_dtype)
+        db = db if b_sharding is None else jax.sharding.reshard(db, b_sharding)
+        return da, db, None  # the copies get no gradient
 
-    op = jax.custom_vjp(lambda a, b: forward(a, b)[0])
+    op = jax.custom_vjp(lambda a, b, copies: forward(a, b, copies)[0])
     op.defvjp(forward, backward)
-    return op(lhs, rhs)
+    return op(lhs, rhs, rhs_copies)

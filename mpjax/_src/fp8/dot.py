@@ -93,7 +93,13 @@ def scaled_gemm(qa, sa, qb, sb, dims, out_dtype, out_sharding=None):
 
 
 def fp8_dot_general(
-    lhs, rhs, dimension_numbers, recipe: Fp8Recipe, compute_dtype: Any, lhs_quant=None
+    lhs,
+    rhs,
+    dimension_numbers,
+    recipe: Fp8Recipe,
+    compute_dtype: Any,
+    lhs_quant=None,
+    rhs_copies=None,
 ):
     """`lax.dot_general(lhs, rhs)` with fp8 GEMMs forward and backward (current scaling).
 
@@ -116,6 +122,9 @@ def fp8_dot_general(
       compute_dtype: the output dtype of every GEMM.
       lhs_quant: optionally, `lhs` recomputed (in float32) for the forward quantisation;
         the scale still comes from `lhs`'s amax and no gradient flows into it.
+      rhs_copies: optionally, `copies(contract, recipe)` giving `rhs`'s block-quantised
+        copies made beforehand (`mpjax.fp8.weight_copies`), or None to quantise it here;
+        asked only when this GEMM runs in a block-scaled format.
 
     Returns:
       The product in `compute_dtype`.
@@ -141,7 +150,11 @@ def fp8_dot_general(
             )
         recipe = recipe_for_format(recipe, fmt)
     if recipe.scaling in BLOCK_SCALINGS:
-        return block_scaled_dot_general(lhs, rhs, dimension_numbers, recipe, compute_dtype)
+        rc = tuple(dimension_numbers[0][1])
+        copies = None if rhs_copies is None else rhs_copies(rc, recipe)
+        return block_scaled_dot_general(
+            lhs, rhs, dimension_numbers, recipe, compute_dtype, rhs_copies=copies
+        )
     if recipe.scaling not in ("tensorwise", "rowwise"):
         raise ValueError(
             f"fp8_dot_general: scaling={recipe.scaling!r} needs per-tensor state; use "
