@@ -82,8 +82,9 @@ def test_each_copy_is_the_weight_quantised_as_its_gemm_reads_it(scaling):
     params, x = _params(), _data()
     copies = weight_copies(mpjax.autocast(_loss_fn, fp8=_recipe(scaling)), params, x)
     kernels = jax.tree.leaves(params)
-    assert sorted((leaf, contract) for leaf, contract, _ in copies.sites) == [(1, (0,)), (3, (0,))]
-    for (leaf, _, _), copy in zip(copies.sites, copies.copies, strict=True):
+    sites = sorted((leaf, contract) for leaf, contract, _, _ in copies.sites)
+    assert sites == [(1, (0,)), (3, (0,))]
+    for (leaf, _, _, _), copy in zip(copies.sites, copies.copies, strict=True):
         w = kernels[leaf]
         for got, oriented in ((copy.rows, w), (copy.columns, w.T)):
             want = jax.jit(lambda t: quantize_blocks(t, scaling, axis=1, role="weight"))(oriented)
@@ -205,6 +206,46 @@ def test_a_scanned_micro_batch_loop_quantises_no_weight_in_the_loop(scaling):
     assert plain_loop[(D, H)] == 1 and plain_loop[(H, D)] == 1  # without: every micro-batch
     assert (D, H) not in in_loop and (H, D) not in in_loop
     assert _quantize_shapes(jax.make_jaxpr(once)(params, data).jaxpr)[(D, H)] == 1
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(D, use_bias=False)(x)), None
+
+
+class _ScannedLm(nn.Module):
+    """Layers stacked by `nn.scan` (as MaxText/Gemma scan theirs), then an unscanned head."""
+
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        return nn.Dense(H)(layers()(x, None)[0])
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_nn_scan_layers_read_copies_made_for_every_layer_at_once(scaling):
+    model, x = _ScannedLm(), _data()
+    params = model.init(jax.random.key(0), x)
+    recipe = Fp8Recipe(scaling, block_lowering="emulated", high_precision_last=0)
+
+    def loss_fn(p, x):
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    loss = mpjax.autocast(loss_fn, fp8=recipe)
+    copies = weight_copies(loss, params, x)
+    layered = sorted(
+        (c.columns.data.shape, s[3]) for s, c in zip(copies.sites, copies.copies, strict=True)
+    )
+    assert layered == [((3, D, D), True), ((H, D), False)]  # stacked [layers, N, K]; the head
+    fast = mpjax.autocast(loss_fn, fp8=recipe, fp8_weights=copies)
+    _assert_equal_trees(
+        jax.jit(jax.value_and_grad(fast))(params, x), jax.jit(jax.value_and_grad(loss))(params, x)
+    )
+    in_scan = _quantize_shapes(jax.make_jaxpr(jax.grad(fast))(params, x).jaxpr, inside="scan")
+    plain = _quantize_shapes(jax.make_jaxpr(jax.grad(loss))(params, x).jaxpr, inside="scan")
+    assert plain[(D, D)] == 1 and (D, D) not in in_scan  # no layer's weight quantised in the loop
+    assert in_scan[(TOKENS, D)] == plain[(TOKENS, D)]  # its x and g still are
 
 
 def test_weights_over_explicit_axes_keep_their_gradient_sharding():

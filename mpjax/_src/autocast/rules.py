@@ -184,14 +184,24 @@ def _scan(evaluate, ctx, eqn, vals, origins):
     carry_dtypes = [a.dtype for a in body.in_avals[nc : nc + ncarry]]
     init = [cast(v, d) for v, d in zip(init, carry_dtypes, strict=True)]
     body_origins = [*origins[:nc], *([STRONG] * ncarry), *origins[nc + ncarry :]]
+    # block-quantised copies of stacked weights scanned over: scanned over beside them
+    weights = getattr(ctx, "fp8_weights", None)
+    extra, child = weights.scanned(xs) if weights is not None else ([], None)
 
-    def step(carry, x):
-        outs, _ = evaluate(ctx, body.jaxpr, body.consts, [*consts, *carry, *x], body_origins)
+    def step(carry, scanned):
+        x, extra_x = scanned
+        body_ctx = ctx if child is None else ctx._replace(fp8_weights=child(x, extra_x))
+        outs, _ = evaluate(body_ctx, body.jaxpr, body.consts, [*consts, *carry, *x], body_origins)
         new_carry = [cast(o, d) for o, d in zip(outs[:ncarry], carry_dtypes, strict=True)]
         return new_carry, outs[ncarry:]
 
     carry, ys = lax.scan(
-        step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        step,
+        init,
+        (list(xs), extra),
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
     )
     outs = [*carry, *ys]
     return outs, [STRONG] * len(outs)

@@ -192,6 +192,9 @@ def _rows_scales(bq) -> jax.Array:
 def _gemm(recipe, qa: BlockQuantized, qb: BlockQuantized, native, compute):
     """`a @ b.T` for 2-D `[M, K]`, `[N, K]` operands, each block-quantised along K."""
     if not native:
+        # the stored bits' numbers: without the barrier XLA simplifies a quantisation and its
+        # dequantisation in one program differently from copies made in another (an ulp)
+        qa, qb = lax.optimization_barrier((qa, qb))
         da, db = dequantize_blocks(qa, compute), dequantize_blocks(qb, compute)
         # out in the compute dtype (float32 accumulation on GPUs): XLA:CPU has no bf16 x bf16
         # -> f32 dot, and the result is rounded to the compute dtype anyway

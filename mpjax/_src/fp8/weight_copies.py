@@ -10,9 +10,11 @@ GEMMs instead (Transformer Engine keeps fp8 weights across micro-batches the sam
 
 Which GEMMs: a `dot_general` that runs in the recipe's block format and reads a leaf of the
 weights argument directly (Flax `Dense`/`DenseGeneral` kernels, `Embed.attend`, `x @ w` in
-plain JAX). A weight read through a `jax.jit` boundary, a `lax.scan` body (`nn.scan` layers:
-there the forward body already quantises each layer's weight once per call) or any op
-before the GEMM is quantised at its GEMM as without copies.
+plain JAX), also inside a `lax.scan` that closes over it (a scanned micro-batch loop), or
+one layer of a leaf stacked along axis 0 that a `lax.scan` runs over (`nn.scan` layers: the
+copies are made for every layer at once and scanned over beside the weights). A weight
+read through a `jax.jit` boundary, a nested scan over layers, or any op before the GEMM is
+quantised at its GEMM as without copies.
 
 The copies are only as fresh as the weights they were made from: make them again whenever
 the weights change (`refresh=` below, e.g. `MultiStepsState.mini_step == 0`).
@@ -39,8 +41,10 @@ class WeightCopies:
 
     Attributes:
       copies: one `OrientedBlocks` (both copies) per site, in `sites`' order.
-      sites: `(leaf index, contracted axes, recipe)` of each copy: which leaf of the
-        weights argument, contracted how, in which block format (static).
+      sites: `(leaf index, contracted axes, recipe, layered)` of each copy: which leaf of
+        the weights argument, contracted how, in which block format, and whether of each
+        layer of a leaf stacked along axis 0 that a `lax.scan` runs over (the copies
+        stacked the same way) (static).
       treedef: the weights argument's tree structure (static).
       argnum: the position of the weights among the function's arguments (static).
     """
@@ -60,26 +64,56 @@ class WeightRecorder:
 
 
 class WeightLookup:
-    """One `autocast` call's weights: which traced values are leaves of the weights argument,
-    and their copies (or the recorder that collects the sites)."""
+    """One `autocast` call's weights: which traced values are leaves of the weights argument
+    (or, inside a `lax.scan` over a stacked leaf, one layer of it), and their copies (or the
+    recorder that collects the sites).
 
-    def __init__(self, ids: dict[int, int], spec: WeightCopies | WeightRecorder):
-        self._ids = ids
+    A site is `(leaf, contracted axes, recipe, layered)`; `layered` sites are of one layer of
+    a leaf stacked along axis 0 and scanned over, their copies stacked the same way.
+    """
+
+    def __init__(self, ids: dict, spec: WeightCopies | WeightRecorder, layers: dict | None = None):
+        self._ids = ids  # id(value) -> (leaf index, layered)
         self._spec = spec
+        self._layers = layers or {}  # layered site -> the copies of the current layer
 
     def __call__(self, rhs: Any, contract: tuple, recipe: Any) -> Any:
         """`rhs`'s copies for a GEMM contracting `contract` in `recipe`'s format, or None."""
-        leaf = self._ids.get(id(rhs))
-        if leaf is None:
+        entry = self._ids.get(id(rhs))
+        if entry is None:
             return None
-        site = (leaf, tuple(contract), recipe)
+        site = (entry[0], tuple(contract), recipe, entry[1])
         if isinstance(self._spec, WeightRecorder):
             if site not in self._spec.sites:
                 self._spec.sites.append(site)
             return None
+        if entry[1]:
+            return self._layers.get(site)
         if site not in self._spec.sites:
             return None
         return self._spec.copies[self._spec.sites.index(site)]
+
+    def scanned(self, xs: list) -> tuple[list, Callable[[list, list], WeightLookup]]:
+        """For a `lax.scan` over `xs`: the stacked copies to scan over beside them, and
+        `child(x, extra)` giving the lookup of the body (whose `x` are the slices of `xs`
+        and `extra` the slices of the stacked copies)."""
+        stacked = {
+            i: self._ids[id(x)][0]
+            for i, x in enumerate(xs)
+            if id(x) in self._ids and not self._ids[id(x)][1]
+        }
+        sites = []
+        if isinstance(self._spec, WeightCopies):
+            leaves = set(stacked.values())
+            sites = [s for s in self._spec.sites if s[3] and s[0] in leaves]
+        extra = [self._spec.copies[self._spec.sites.index(s)] for s in sites]
+
+        def child(x: list, extra_slices: list) -> WeightLookup:
+            ids = {k: v for k, v in self._ids.items() if not v[1]}  # closed-over weights
+            ids.update({id(x[i]): (leaf, True) for i, leaf in stacked.items()})
+            return WeightLookup(ids, self._spec, dict(zip(sites, extra_slices, strict=True)))
+
+        return extra, child
 
 
 def weight_lookup(spec: Any, args: tuple, leaves: list, dynamic: list) -> WeightLookup:
@@ -114,7 +148,11 @@ def weight_lookup(spec: Any, args: tuple, leaves: list, dynamic: list) -> Weight
         )
     offset = len(jax.tree.leaves(args[: spec.argnum]))
     arrays = set(dynamic)
-    ids = {id(leaves[offset + j]): j for j in range(treedef.num_leaves) if offset + j in arrays}
+    ids = {
+        id(leaves[offset + j]): (j, False)
+        for j in range(treedef.num_leaves)
+        if offset + j in arrays
+    }
     return WeightLookup(ids, spec)
 
 
@@ -197,10 +235,14 @@ def weight_copies(
 
     def make() -> tuple:
         out = []
-        for leaf, contract, recipe in sites:
+        for leaf, contract, recipe, layered in sites:
             w = weights[leaf]
             impl = "auto" if native_block_gemms(recipe, w) else "xla"
-            out.append(quantize_weight(w, contract, recipe, impl))
+
+            def quantize(w, contract=contract, recipe=recipe, impl=impl):
+                return quantize_weight(w, contract, recipe, impl)
+
+            out.append(jax.vmap(quantize)(w) if layered else quantize(w))
         return tuple(out)
 
     if previous is None:
