@@ -272,6 +272,44 @@ def test_weights_over_explicit_axes_keep_their_gradient_sharding():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
 
 
+def test_copies_inside_shard_map_with_check_vma_give_its_gradients():
+    # data parallel: the weights and their copies replicated, the tokens split over devices
+    recipe = Fp8Recipe("mxfp8", block_lowering="emulated")
+    loss = mpjax.autocast(lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]) ** 2), "float32", fp8=recipe)
+    params = {"w": jax.random.normal(jax.random.key(1), (H, H)) * 0.1}
+    x = jax.random.normal(jax.random.key(0), (8 * 64, H))
+    copies = weight_copies(loss, params, x[:64])
+
+    def local(p, x, copies=None):
+        fn = loss if copies is None else loss.with_fp8_weights(fp8_weights=copies)
+        return jax.lax.psum(jax.grad(fn)(p, x)["w"], AXIS)
+
+    mesh = make_mesh("explicit")
+    specs = (P(), P(AXIS), P())
+    with_copies = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=True)
+    plain = jax.shard_map(local, mesh=mesh, in_specs=specs[:2], out_specs=P(), check_vma=True)
+    with jax.set_mesh(mesh):
+        xs = jax.sharding.reshard(x, P(AXIS))
+        _assert_equal_trees(jax.jit(with_copies)(params, xs, copies), jax.jit(plain)(params, xs))
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_weights_with_extreme_values_give_the_numbers_without_copies(scaling):
+    # inf, NaN, 1e-38, 3e38 and zero blocks in the weights: the copies are the GEMM's own
+    # quantisation, non-finite results in the same places
+    params, x = _params(), _data()
+    kernel = params["params"]["up"]["kernel"]
+    kernel = kernel.at[0, 0].set(jnp.inf).at[1, 5].set(jnp.nan).at[2:34, 8].set(1e-38)
+    kernel = kernel.at[40, 70].set(3e38).at[:32, 96:].set(0.0)
+    params = {"params": {**params["params"], "up": {**params["params"]["up"], "kernel": kernel}}}
+    loss = mpjax.autocast(_loss_fn, fp8=_recipe(scaling))
+    copies = weight_copies(loss, params, x)
+    fast = loss.with_fp8_weights(fp8_weights=copies)
+    got = jax.jit(jax.value_and_grad(fast))(params, x)
+    want = jax.jit(jax.value_and_grad(loss))(params, x)
+    _assert_equal_trees(got, want)
+
+
 def test_non_block_recipes_and_non_gemm_leaves_make_no_copies():
     params, x = _params(), _data()
     tensorwise = weight_copies(mpjax.autocast(_loss_fn, fp8=Fp8Recipe()), params, x)
