@@ -15,8 +15,8 @@ Block-scaled (`BLOCK_VARIANTS`, issue 30): `fp8-blockwise` (DeepSeek-V3's 1x128 
 recipe; on the H100 mpjax's Pallas kernel runs each GEMM in fp8), `fp8-blockwise-emulated`
 (the same numbers dequantised to bf16), `fp8-mxfp8` and `fp8-nvfp4` (cuDNN block-scaled
 GEMMs on the B200 target); the LM head stays bf16. `-roofline`: the same recipe with
-`choose="roofline"` for its GPU (each GEMM in the recipe's format or in bf16, whichever the
-roofline prefers).
+`choose="roofline"` for its GPU (each GEMM in the recipe's format, in tensorwise fp8 or in
+bf16, whichever the roofline prefers).
 
 ResNet: `fp8-conv` (`Fp8Recipe(convs="none")`, every convolution bf16), `fp8-1x1` (each 1x1
 convolution an fp8 GEMM forward and backward) and `fp8-1x1-min256` / `-min512` (only those
@@ -162,7 +162,8 @@ assert not set(FP8_VARIANTS) & set(LM_VARIANTS)
 
 def _autocast_blocks(scaling: str, lowering: str = "native", roofline_for: str | None = None):
     """`roofline_for`: a GPU; each GEMM then takes the format its roofline there prefers
-    (`choose="roofline"`: the recipe's, or bf16 where quantising costs more than it saves)."""
+    (`choose="roofline"`: the recipe's, tensorwise fp8 where it is faster, or bf16 where
+    quantising costs more than it saves)."""
 
     def build(cfg):
         model = _lm(cfg, attention_fn=cudnn_attention)

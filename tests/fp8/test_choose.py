@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 
 from mpjax import Fp8Recipe
+from mpjax._src.core.gpu_peaks import GPU_PEAKS
+from mpjax._src.fp8.choose import COMPUTE, NVFP4_GRADIENT_BYTES, choose_gemm_format
+from mpjax._src.fp8.recipe import Fp8Site
 from mpjax.fp8 import fp8_dot_general, fp8_ops
 
 DIMS = (((1,), (0,)), ((), ()))
+LARGE = 16384  # big enough that NVFP4's gradient quantisation pays on the B200 too
 
 
 def _op(recipe, m, k, n):
@@ -36,7 +40,7 @@ def test_b200_small_gemm_stays_in_bf16_large_takes_the_block_format(scaling):
     small = _op(recipe, 128, 128, 128)
     assert not small.fp8 and small.reason.startswith("memory bound on b200 (128x128x128)")
     assert small.reason == small.choice and "bfloat16" in small.reason
-    large = _op(recipe, 8192, 8192, 8192)
+    large = _op(recipe, *[LARGE] * 3)
     assert large.fp8 and large.lowering.endswith(scaling) and not large.reason
     assert large.choice.startswith("pays on b200") and scaling in large.choice
     # the program: no fp8 at all for the small GEMM; block scales for the large one
@@ -110,3 +114,60 @@ def test_fp8_ops_gives_a_1x1_convs_choice_too():
     small, large = ops(8, 64), ops(128, 8192)
     assert not small.fp8 and small.reason.startswith("memory bound on b200 (64x64x64)")
     assert large.fp8 and large.lowering.endswith("mxfp8") and "16384x8192x8192" in large.choice
+
+
+# The suite's LMs (benchmarks/train_models.py), M = batch x sequence tokens: GPT-2 small
+# (8 x 1024, d 768, MLP 3072) and the wide LM (4 x 2048, d 4096, MLP 16384). Each dense
+# GEMM as `(K, N)`: the attention projections, the MLP's up and down projections.
+GPT2_M, GPT2_GEMMS = 8 * 1024, ((768, 768), (768, 3072), (3072, 768))
+WIDE_M, WIDE_GEMMS = 4 * 2048, ((4096, 4096), (4096, 16384), (16384, 4096))
+
+
+def _choice(recipe, m, k, n):
+    dims = (((1,), (0,)), ((), ()))
+    return choose_gemm_format(recipe, Fp8Site("", (m, k), (k, n), dims), jnp.bfloat16)
+
+
+def test_b200_gpt2_small_keeps_bf16_where_nvfp4_quantisation_costs_more():
+    # The suite's NVFP4 GPT-2 step under the old model was 1.30x bf16 (its MLP in NVFP4):
+    # its gradients go through XLA's quantiser, its GEMMs write float32
+    recipe = Fp8Recipe("nvfp4", choose="roofline", target="b200")
+    choices = {kn: _choice(recipe, GPT2_M, *kn) for kn in GPT2_GEMMS}
+    assert {kn: c.format for kn, c in choices.items()} == dict.fromkeys(GPT2_GEMMS, COMPUTE)
+    bw = GPU_PEAKS["b200"].hbm_bytes_per_s
+    for (_, n), choice in choices.items():
+        nvfp4 = choice.parts["nvfp4"]
+        assert {"amax", "output cast", "scale layout"} <= set(nvfp4)
+        # g's quantisation alone (XLA's reference) moves NVFP4_GRADIENT_BYTES per element
+        assert nvfp4["quantise"] > NVFP4_GRADIENT_BYTES * GPT2_M * n / bw
+    # the attention projections: MXFP8's quantisation costs more than its GEMMs save
+    mxfp8 = Fp8Recipe("mxfp8", choose="roofline", target="b200")
+    assert _choice(mxfp8, GPT2_M, 768, 768).format == COMPUTE
+
+
+def test_wide_lm_big_gemms_keep_the_block_format():
+    mxfp8 = Fp8Recipe("mxfp8", choose="roofline", target="b200")
+    choices = {kn: _choice(mxfp8, WIDE_M, *kn) for kn in WIDE_GEMMS}
+    assert {kn: c.format for kn, c in choices.items()} == dict.fromkeys(WIDE_GEMMS, "mxfp8")
+    # NVFP4 keeps the MLP's down projection (a small g); where g is the big tensor, its
+    # gradient quantisation eats NVFP4's GEMM savings and tensorwise fp8 is faster
+    nvfp4 = Fp8Recipe("nvfp4", choose="roofline", target="b200")
+    formats = {kn: _choice(nvfp4, WIDE_M, *kn).format for kn in WIDE_GEMMS}
+    assert formats == {
+        (4096, 4096): "tensorwise",
+        (4096, 16384): "tensorwise",
+        (16384, 4096): "nvfp4",
+    }
+
+
+def test_parts_sum_to_each_candidates_time():
+    recipe = Fp8Recipe("mxfp8", choose="roofline", target="b200")
+    choice = _choice(recipe, GPT2_M, 768, 3072)
+    assert set(choice.parts) == set(choice.seconds) == {COMPUTE, "mxfp8", "tensorwise"}
+    for fmt, parts in choice.parts.items():
+        assert sum(parts.values()) == pytest.approx(choice.seconds[fmt])
+    assert set(choice.parts[COMPUTE]) == {"gemms"}
+    # tensorwise: amax and quantise passes, and the scales divided out of each output
+    assert set(choice.parts["tensorwise"]) == {"gemms", "amax", "quantise", "rescale"}
+    # MXFP8: the fused quantiser, cuDNN's scale layout; no amax, no output pass
+    assert set(choice.parts["mxfp8"]) == {"gemms", "quantise", "scale layout"}

@@ -205,11 +205,15 @@ def _gemm(recipe, qa: BlockQuantized, qb: BlockQuantized, native, compute):
         )
     k = qa.data.shape[1]
     pad = [(0, 0), (0, -k % qa.block[1])]
+    # cuDNN accumulates in float32 and writes the compute dtype (one rounding, as a float32
+    # result cast would give, without writing and re-reading float32); NVFP4's tensor
+    # scales are divided out of the float32 result
     out = jax.nn.scaled_matmul(
         jnp.pad(qa.data, pad)[None],
         jnp.pad(qb.data, pad)[None],
         _rows_scales(qa)[None],
         _rows_scales(qb)[None],
+        preferred_element_type=_F32 if qa.tensor_scale is not None else compute,
     )[0]
     if qa.tensor_scale is not None:
         out = out / qa.tensor_scale / qb.tensor_scale  # their product may overflow

@@ -1,23 +1,43 @@
 """`Fp8Recipe(choose="roofline")`: each GEMM's format from a roofline of it on a target GPU.
 
 For a GEMM `[M, K] x [K, N]` trained with its two backward GEMMs, each candidate format is
-timed as the sum of its quantisation passes (memory bound: bytes / bandwidth) and its three
-GEMMs (each `max(2MKN / peak, bytes / bandwidth)`), with the target's data-sheet peaks
-(`mpjax._src.core.gpu_peaks`). Bytes counted, `c` the compute dtype's size and `S` the three
-matrices' elements (`MK + KN + MN`):
+timed as the kernels its compiled program launches, each as the cost model
+(`mpjax._src.analysis.hlo_cost`) times a kernel: a GEMM `max(2MKN / peak, bytes / bandwidth)`,
+any other kernel `bytes / bandwidth` (no launch latency, no efficiency below the peaks),
+with the target's data-sheet peaks (`mpjax._src.core.gpu_peaks`). `c` is the compute dtype's
+size; the tensors are `x` (`MK` elements), `w` (`KN`) and `g` (`MN`), the outputs the
+forward's `MN`, the input gradient's `MK` and the weight gradient's `KN` elements
+(`O = MN + MK + KN`); `S = MK + KN + MN`. Bytes counted per part (`GemmChoice.parts`):
 
-- compute dtype: each GEMM reads its two operands and writes its output, `c` bytes each;
-- tensorwise (current scaling): an amax pass and a quantise pass per tensor, once
-  (`(2c + 1) S`; the fp8 copy serves both GEMMs it feeds); GEMM operands 1 byte;
-- rowwise: the same per orientation (each tensor is re-quantised for its second GEMM);
-- block-scaled: one fused pass per tensor that reads it once and writes each orientation it
-  is used in (elements plus block scales: MXFP8 1 + 1/32 bytes, NVFP4 1/2 + 1/16, blockwise
-  1 + 4/128); weights in 2-D blocks (NVFP4, blockwise) need one orientation; NVFP4 adds a
-  per-tensor amax pass. A block format is a candidate only where the target multiplies it
-  natively (`"b200"`: MXFP8, NVFP4; `"h100"`: none), else tensorwise fp8 stands in.
+- compute dtype: three GEMMs reading `c`-byte operands and writing `c`-byte outputs;
+- tensorwise (current scaling, `fp8_dot_general`): an amax pass (`c S`) and a quantise pass
+  (`(c + 1) S`) per tensor, once (the fp8 copy serves both GEMMs it feeds); fp8 GEMMs
+  (1-byte operands, `c`-byte outputs); each output rescaled by its operands' scales in a pass
+  of its own (`2c O`: XLA's fp8 GEMM does not take the scales);
+- rowwise: the amax and quantise passes per orientation (`2 (2c + 1) S`), the same rescale;
+- block-scaled (`e` element and `s` scale bytes per element: MXFP8 `1 + 1/32`, NVFP4
+  `1/2 + 1/16`, blockwise `1 + 4/128`): the fused quantiser reads each tensor once and writes
+  each orientation it is used in (`c S + (e + s)(2MK + o KN + 2MN)`, `o = 1` for weights in 2-D
+  blocks, NVFP4 and blockwise; else 2); the GEMMs read `e + s` bytes per operand element.
+  Blockwise (mpjax's Pallas GEMM) and MXFP8 write `c`-byte outputs. MXFP8 and NVFP4 run as
+  cuDNN block-scaled GEMMs (`jax.nn.scaled_matmul`), which add a kernel per GEMM operand
+  rewriting its scales in cuDNN's layout (read and written: `2s (2MK + 2KN + 2MN)`). NVFP4's
+  GEMMs write float32 (4 bytes), each output cast to the compute dtype in a pass of its own,
+  its tensor scales divided out there (`(4 + c) O`). NVFP4 also reads `x` and `w` once for
+  their tensor scales (`c (MK + KN)`), and quantises `g` in XLA's reference (the fused
+  kernel does not round stochastically): the passes XLA compiles it to, counted from the
+  deviceless B200 program (a finiteness mask, the Hadamard-rotated float32 copy, its amaxes,
+  the stochastic quantise, the seed's sum), read and write `NVFP4_GRADIENT_BYTES` bytes per
+  element of `g` in place of the fused quantiser's `c + 2(e + s)`.
 
-The fastest candidate wins; the compute dtype is kept unless a format is strictly faster,
-and the recipe's own format beats tensorwise on a tie.
+Not counted: how XLA fuses these passes with the GEMM's neighbours (an amax or quantise pass
+fused into the producer of `x` or `g`, a producer fused into a compute-dtype GEMM, a
+float32 producer the quantiser reads), and layout copies of the gradients.
+
+A block format is a candidate only where the target multiplies it natively (`"b200"`:
+MXFP8, NVFP4, blockwise; `"h100"`: blockwise), else tensorwise fp8 stands in. The fastest
+candidate wins; the compute dtype is kept unless a format is strictly faster, and the
+recipe's own format beats tensorwise on a tie.
 """
 
 from __future__ import annotations
@@ -41,6 +61,12 @@ _BLOCK = {
     "nvfp4": (0.5, 1 / 16, "fp4", 1),
     "blockwise": (1.0, 4 / 128, "fp8", 1),
 }
+_CUDNN = ("mxfp8", "nvfp4")  # block formats run as cuDNN block-scaled GEMMs (float32 out)
+# Bytes per element of a bfloat16 `g` that NVFP4's gradient quantisation (XLA's reference:
+# stochastic rounding) reads and writes, summed over its kernels in the deviceless B200
+# program (`tests/fp8/test_choose_gpu.py` recounts them); each read of `g` itself is 2 of them.
+NVFP4_GRADIENT_BYTES = 44.0
+_NVFP4_GRADIENT_READS = 3  # reads of `g` in its own dtype among them (mask, copy, seed)
 COMPUTE = "compute"
 
 
@@ -52,11 +78,14 @@ class GemmChoice(NamedTuple):
         compute dtype).
       reason: the roofline times behind the choice, in microseconds.
       seconds: each candidate's modelled time (forward and both gradients).
+      parts: each candidate's time by part (`"gemms"`, `"quantise"`, `"amax"`,
+        `"rescale"`, `"scale layout"`, `"output cast"`), seconds.
     """
 
     format: str
     reason: str
     seconds: dict
+    parts: dict = {}
 
 
 def gemm_mkn(site: Fp8Site) -> tuple[int, int, int]:
@@ -78,20 +107,54 @@ def _gemms(m, k, n, operand_bytes, out_bytes, peak, bw) -> float:
     return total
 
 
-def _seconds(fmt: str, m: int, k: int, n: int, c: int, target: str) -> float:
+def gemm_parts(fmt: str, m: int, k: int, n: int, c: int, target: str) -> dict[str, float]:
+    """The modelled seconds of one GEMM trained in `fmt` on `target`, by part.
+
+    Args:
+      fmt: `"compute"`, `"tensorwise"`, `"rowwise"` or a block format of `_BLOCK`.
+      m, k, n: the forward GEMM's sizes (`[M, K] x [K, N]`).
+      c: the compute dtype's size in bytes.
+      target: a key of `GPU_PEAKS`.
+
+    Returns:
+      `{part: seconds}` (the module docstring's bytes per part); parts the format does not
+      run are absent.
+
+    Example:
+      >>> from mpjax._src.fp8.choose import gemm_parts
+      >>> sorted(gemm_parts("nvfp4", 8192, 768, 3072, 2, "b200"))
+      ['amax', 'gemms', 'output cast', 'quantise', 'scale layout']
+    """
     peaks = GPU_PEAKS[target]
     bw, flops = peaks.hbm_bytes_per_s, peaks.tensor_flops
-    s = m * k + k * n + m * n
+    x, w, g = m * k, k * n, m * n
+    s, outs = x + w + g, m * n + m * k + k * n
     if fmt == COMPUTE:
-        return _gemms(m, k, n, c, c, flops["bf16"], bw)
+        return {"gemms": _gemms(m, k, n, c, c, flops["bf16"], bw)}
     if fmt in ("tensorwise", "rowwise"):
         passes = 1 if fmt == "tensorwise" else 2
-        quant = passes * (2 * c + 1) * s
-        return quant / bw + _gemms(m, k, n, 1, c, flops["fp8"], bw)
+        return {
+            "gemms": _gemms(m, k, n, 1, c, flops["fp8"], bw),
+            "amax": passes * c * s / bw,
+            "quantise": passes * (c + 1) * s / bw,
+            "rescale": 2 * c * outs / bw,
+        }
     elem, scale, peak, w_orient = _BLOCK[fmt]
-    written = (elem + scale) * (2 * m * k + 2 * m * n + w_orient * k * n)
-    quant = c * s + written + (c * s if fmt == "nvfp4" else 0)
-    return quant / bw + _gemms(m, k, n, elem + scale, c, flops[peak], bw)
+    eb = elem + scale
+    quantise = c * s + eb * (2 * x + w_orient * w + 2 * g)
+    if fmt == "nvfp4":  # g through XLA's reference instead of the fused kernel
+        g_bytes = NVFP4_GRADIENT_BYTES + _NVFP4_GRADIENT_READS * (c - 2)
+        quantise += (g_bytes - c - 2 * eb) * g
+    if fmt not in _CUDNN:  # blockwise: mpjax's Pallas GEMM writes the compute dtype
+        return {"gemms": _gemms(m, k, n, eb, c, flops[peak], bw), "quantise": quantise / bw}
+    out = {"quantise": quantise / bw, "scale layout": 2 * scale * 2 * s / bw}
+    if fmt == "mxfp8":  # cuDNN writes the compute dtype
+        return {"gemms": _gemms(m, k, n, eb, c, flops[peak], bw), **out}
+    # NVFP4: float32 outputs, the tensor scales divided out as each is cast
+    out["gemms"] = _gemms(m, k, n, eb, 4, flops[peak], bw)
+    out["output cast"] = (4 + c) * outs / bw
+    out["amax"] = c * (x + w) / bw  # g's amaxes are among NVFP4_GRADIENT_BYTES
+    return out
 
 
 def _us(seconds: float) -> str:
@@ -128,7 +191,8 @@ def choose_gemm_format(recipe: Fp8Recipe, site: Fp8Site, compute_dtype) -> GemmC
     candidates = [COMPUTE] + ([own] if native else [])
     if own in _BLOCK:
         candidates.append("tensorwise")
-    seconds = {f: _seconds(f, m, k, n, c, target) for f in candidates}
+    parts = {f: gemm_parts(f, m, k, n, c, target) for f in candidates}
+    seconds = {f: sum(p.values()) for f, p in parts.items()}
     best = COMPUTE
     for fmt in candidates[1:]:  # strictly faster only: ties keep the more precise choice
         if seconds[fmt] < seconds[best]:
@@ -144,7 +208,7 @@ def choose_gemm_format(recipe: Fp8Recipe, site: Fp8Site, compute_dtype) -> GemmC
         )
     else:
         reason = f"pays on {target} ({m}x{k}x{n}): {times}{no_native}"
-    return GemmChoice(best, reason, seconds)
+    return GemmChoice(best, reason, seconds, parts)
 
 
 def recipe_for_format(recipe: Fp8Recipe, fmt: str) -> Fp8Recipe:
