@@ -192,9 +192,6 @@ def _rows_scales(bq) -> jax.Array:
 def _gemm(recipe, qa: BlockQuantized, qb: BlockQuantized, native, compute):
     """`a @ b.T` for 2-D `[M, K]`, `[N, K]` operands, each block-quantised along K."""
     if not native:
-        # the stored bits' numbers: without the barrier XLA simplifies a quantisation and its
-        # dequantisation in one program differently from copies made in another (an ulp)
-        qa, qb = lax.optimization_barrier((qa, qb))
         da, db = dequantize_blocks(qa, compute), dequantize_blocks(qb, compute)
         # out in the compute dtype (float32 accumulation on GPUs): XLA:CPU has no bf16 x bf16
         # -> f32 dot, and the result is rounded to the compute dtype anyway
@@ -353,7 +350,14 @@ def block_scaled_dot_general(
         qa = quantize_orientations(
             _as_rows(a, lc), recipe, columns=a_sharding is None, column_hadamard=nvfp4, impl=impl
         )
-        qb = quantize_weight(b_in, rc, recipe, impl) if copies is None else copies
+        if copies is None:
+            qb = quantize_weight(b_in, rc, recipe, impl)
+            # emulated: the weight's stored bits dequantised, as from copies made elsewhere
+            # (`rhs_copies`); XLA simplifies a quantisation and its dequantisation in one
+            # program differently (an ulp, which NVFP4's seeded rounding makes a new draw)
+            qb = qb if native else lax.optimization_barrier(qb)
+        else:
+            qb = copies
         out = _gemm(recipe, qa.rows, qb.columns, native, compute)
         a_free = [a.shape[i] for i in range(a.ndim) if i not in lc]
         b_free = [b_shape[i] for i in range(len(b_shape)) if i not in rc]
