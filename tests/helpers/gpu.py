@@ -24,9 +24,18 @@ def _gpu_aot_python() -> str:
     pytest.skip(f"{ENV_PYTHON} is not set: no gpu-aot environment for the deviceless compile")
 
 
+def gpu_aot_env() -> dict:
+    """The environment of a gpu-aot child: CPU platform, this checkout importable, and not the
+    session's persistent compilation cache (tests/conftest.py): JAX writes deviceless GPU
+    executables there but cannot load them back (a warning, then a compile, on every hit)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
 def _run_json(script: str, *args: str, tmp: Path) -> dict:
     out = tmp / f"{Path(script).stem}.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = gpu_aot_env()
     proc = subprocess.run(
         [_gpu_aot_python(), str(ROOT / script), *args, "--json", str(out)],
         cwd=ROOT,

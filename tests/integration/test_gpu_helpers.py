@@ -48,3 +48,11 @@ def test_the_session_folder_is_shared_by_the_xdist_workers(tmp_path_factory, mon
     assert gpu._session_dir(tmp_path_factory) == tmp_path_factory.getbasetemp().parent
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
     assert gpu._session_dir(tmp_path_factory) == tmp_path_factory.getbasetemp()
+
+
+def test_gpu_aot_children_get_no_persistent_compilation_cache(monkeypatch):
+    """JAX cannot load deviceless GPU executables back from the cache: the children skip it."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/nonexistent/cache")
+    env = gpu.gpu_aot_env()
+    assert "JAX_COMPILATION_CACHE_DIR" not in env
+    assert env["JAX_PLATFORMS"] == "cpu" and env["PYTHONPATH"] == str(gpu.ROOT)
