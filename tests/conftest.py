@@ -1,6 +1,9 @@
-"""Test set-up: 8 simulated CPU devices (set before jax is imported), a fixed hypothesis profile."""
+"""Test set-up: 8 simulated CPU devices (set before jax is imported), a fixed hypothesis profile,
+one persistent compilation cache per session."""
 
 import os
+import shutil
+import tempfile
 
 # 8 simulated devices, and XLA:CPU's thread pool twice that (its size from NPROC): a pool of
 # exactly the device count can deadlock a collective on a loaded machine
@@ -19,3 +22,23 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile("mpjax")
+
+
+# One JAX persistent compilation cache per test session (its first process makes it and the
+# xdist workers and subprocesses inherit the variable): a program compiled again, by a fresh
+# `jax.jit` of the same function or another test or example running the same step, loads the
+# executable instead of compiling it (JAX caches compiles of 1 s or more). Removed at the end
+# of the session; a JAX_COMPILATION_CACHE_DIR already set is used as it is.
+_CACHE = "JAX_COMPILATION_CACHE_DIR"
+_made_cache: list[str] = []
+
+
+def pytest_configure(config):
+    if _CACHE not in os.environ:
+        os.environ[_CACHE] = tempfile.mkdtemp(prefix="mpjax-jax-cache-")
+        _made_cache.append(os.environ[_CACHE])
+
+
+def pytest_unconfigure(config):
+    for path in _made_cache:
+        shutil.rmtree(path, ignore_errors=True)

@@ -18,12 +18,11 @@ convolution, `test_xla_runs_no_fp8_weight_gradient_convolution` fails: time to r
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 
-from tests.helpers.gpu import ROOT, _gpu_aot_python
+from tests.helpers.gpu import ROOT, _gpu_aot_python, gpu_aot_env
 
 N, HW, C = 8, 16, 128  # as in tests/autocast/_fp8_conv_hlo.py
 GEMM_FLOPS = 2 * N * HW * HW * C * C  # the 1x1 conv as a GEMM
@@ -35,7 +34,7 @@ def hlo():
     proc = subprocess.run(
         [_gpu_aot_python(), str(ROOT / "tests" / "autocast" / "_fp8_conv_hlo.py")],
         cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
+        env=gpu_aot_env(),
         capture_output=True,
         text=True,
         timeout=900,

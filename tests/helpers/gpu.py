@@ -24,9 +24,18 @@ def _gpu_aot_python() -> str:
     pytest.skip(f"{ENV_PYTHON} is not set: no gpu-aot environment for the deviceless compile")
 
 
+def gpu_aot_env() -> dict:
+    """The environment of a gpu-aot child: CPU platform, this checkout importable, and not the
+    session's persistent compilation cache (tests/conftest.py): JAX writes deviceless GPU
+    executables there but cannot load them back (a warning, then a compile, on every hit)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
 def _run_json(script: str, *args: str, tmp: Path) -> dict:
     out = tmp / f"{Path(script).stem}.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = gpu_aot_env()
     proc = subprocess.run(
         [_gpu_aot_python(), str(ROOT / script), *args, "--json", str(out)],
         cwd=ROOT,
@@ -47,3 +56,33 @@ def run_suite(*args: str, tmp: Path) -> dict:
     bad = [r for r in data["records"] if r["status"] != "ok"]
     assert not bad, bad
     return {(r["model"], r["variant"], r["target"]): r["figures"] for r in data["records"]}
+
+
+def _session_dir(factory: pytest.TempPathFactory) -> Path:
+    """A folder of this test session that every xdist worker of it shares."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def quick_rows(names: list[str], factory: pytest.TempPathFactory) -> dict:
+    """The benchmark suite's quick cases named exactly (e.g. `"cost/lm/bf16@h100"`), each
+    compiled once per test session: a case another test of the session (any worker) ran
+    through here is read back, the rest run under the gpu-aot python (`run_suite`).
+    Returns `(model, variant, target) -> figures`."""
+    cache = _session_dir(factory) / "quick-rows"
+    cache.mkdir(exist_ok=True)
+    paths = {name: cache / (name.replace("/", "_") + ".json") for name in names}
+    missing = [name for name, path in paths.items() if not path.exists()]
+    if missing:
+        only = ",".join(missing)
+        data = _run_json("benchmarks/run.py", "--quick", "--only", only, tmp=factory.mktemp("q"))
+        records = {r["name"]: r for r in data["records"]}
+        assert sorted(records) == sorted(missing), sorted(records)
+        bad = [r for r in records.values() if r["status"] != "ok"]
+        assert not bad, bad
+        for name in missing:  # whole files only: write aside, then rename
+            part = paths[name].with_suffix(f".{os.getpid()}")
+            part.write_text(json.dumps(records[name]))
+            part.replace(paths[name])
+    records = [json.loads(paths[name].read_text()) for name in names]
+    return {(r["model"], r["variant"], r["target"]): r["figures"] for r in records}

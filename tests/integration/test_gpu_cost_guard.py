@@ -26,7 +26,7 @@ import math
 
 import pytest
 
-from tests.helpers.gpu import run_suite
+from tests.helpers.gpu import quick_rows, run_suite
 
 TEMP_MARGIN, ROOFLINE_MARGIN, FP16_ROOFLINE_MARGIN, CONVERT_MARGIN = 1.02, 1.01, 1.02, 1.05
 OPT_BYTES_MARGIN, OPT_MAX_KERNELS, FP16_STEP_BYTES_MARGIN = 1.15, 130, 1.05
@@ -67,10 +67,14 @@ def _case(model, variant, check):
 
 @pytest.fixture(scope="module")
 def cost(tmp_path_factory):
-    # every cost row but the fused-loss ones and bf16-xla, which no check here reads
-    figures = run_suite(
-        "--quick", "--only", "cost/resnet/,cost/lm/", tmp=tmp_path_factory.mktemp("c")
-    )
+    # the rows the checks read (not the LM's fused-loss ones or bf16-xla: each row a compile)
+    # (compiled once per session: tests/report/test_report_gpu.py reads four of them)
+    rows = [
+        f"cost/{model}/{variant}@h100"
+        for model, paths in MPJAX_PATHS.items()
+        for variant in ("fp32", "bf16", "fp16-bare", *paths)
+    ]
+    figures = quick_rows(rows, tmp_path_factory)
     return {(model, variant): f for (model, variant, _), f in figures.items()}
 
 
@@ -210,7 +214,8 @@ def test_fp8_tensorwise_fsdp_gathers_weight_shards_in_fp8(multi_gpu):
 
 @pytest.fixture(scope="module")
 def resnet_dp(tmp_path_factory):
-    variants = "bf16,fp16-bare,fp16-scaled,fp16-scaled-pallas,convbn-xla,convbn-pallas"
+    # the variants the checks read (they compare with fp16-bare and convbn-xla: no bf16 row)
+    variants = "fp16-bare,fp16-scaled,fp16-scaled-pallas,convbn-xla,convbn-pallas"
     return _multi_gpu_quick(tmp_path_factory.mktemp("r"), "resnet", variants)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mpjax._src.report.records import dtype_name
-from tests.helpers.gpu import _run_json, run_suite
+from tests.helpers.gpu import _run_json, quick_rows
 from tests.helpers.report import KEPT
 
 COMPUTE = ["bfloat16", "float16"]
@@ -69,9 +69,10 @@ def test_h100_runs_every_fp8_gemm_in_fp8(h100):
 
 @pytest.fixture(scope="module")
 def cost_model(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cost")
-    only = "cost/resnet/bf16@,cost/resnet/policy-rules@,cost/lm/bf16@,cost/lm/policy-rules@"
-    figures = run_suite("--quick", "--only", only, tmp=tmp)
+    # rows of the GPU cost guard's (tests/integration/test_gpu_cost_guard.py): read back
+    # when it compiled them earlier in the session
+    rows = [f"cost/{m}/{v}@h100" for m in ("resnet", "lm") for v in ("bf16", "policy-rules")]
+    figures = quick_rows(rows, tmp_path_factory)
     return {(model, variant): f for (model, variant, _), f in figures.items()}
 
 

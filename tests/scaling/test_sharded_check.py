@@ -73,19 +73,30 @@ def _tx(impl: str):
     return mpjax.loss_scaled(optax.adamw(1e-3), scale, impl=impl)
 
 
-def _compiled_and_outputs(impl, param_dtype, grad_dtype, bad, sharded):
+@functools.cache
+def _compiled(impl, param_dtype, grad_dtype, sharded):
+    """The update step compiled once per (impl, dtypes, placement): the `bad` cases feed the
+    same program different gradients. Returns the compiled step and the shardings (or None)."""
     tx = _tx(impl)
     params = _params(param_dtype)
-    grads = _grads(grad_dtype, bad)
-    state = tx.init(params)
+    state = jax.eval_shape(tx.init, params)
+    grads = jax.eval_shape(lambda: _grads(grad_dtype, None))
     if not sharded:
-        step = jax.jit(tx.update)
-        return None, step(grads, state, params)
+        return tx, jax.jit(tx.update).lower(grads, state, params).compile(), None
     mesh = _mesh()
-    p_sh, g_sh, s_sh = (_shardings(t, mesh) for t in (params, grads, state))
+    shardings = tuple(_shardings(t, mesh) for t in (grads, state, params))
+    g_sh, s_sh, p_sh = shardings
     step = jax.jit(tx.update, in_shardings=(g_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
-    args = jax.device_put((grads, state, params), (g_sh, s_sh, p_sh))
-    return step.lower(*args).compile(), step(*args)
+    return tx, step.lower(grads, state, params).compile(), shardings
+
+
+def _compiled_and_outputs(impl, param_dtype, grad_dtype, bad, sharded):
+    tx, compiled, shardings = _compiled(impl, param_dtype, grad_dtype, sharded)
+    params = _params(param_dtype)
+    args = (_grads(grad_dtype, bad), tx.init(params), params)
+    if shardings is not None:
+        args = jax.device_put(args, shardings)
+    return compiled, compiled(*args)
 
 
 def _bits(tree):
