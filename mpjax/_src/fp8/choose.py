@@ -24,11 +24,11 @@ forward's `MN`, the input gradient's `MK` and the weight gradient's `KN` element
   rewriting its scales in cuDNN's layout (read and written: `2s (2MK + 2KN + 2MN)`). NVFP4's
   GEMMs write float32 (4 bytes), each output cast to the compute dtype in a pass of its own,
   its tensor scales divided out there (`(4 + c) O`). NVFP4 also reads `x` and `w` once for
-  their tensor scales (`c (MK + KN)`), and quantises `g` in XLA's reference (the fused
-  kernel does not round stochastically): the passes XLA compiles it to, counted from the
-  deviceless B200 program (a finiteness mask, the Hadamard-rotated float32 copy, its amaxes,
-  the stochastic quantise, the seed's sum), read and write `NVFP4_GRADIENT_BYTES` bytes per
-  element of `g` in place of the fused quantiser's `c + 2(e + s)`.
+  their tensor scales (`c (MK + KN)`); its gradient `g` (Hadamard-rotated and rounded
+  stochastically for the weight gradient, by the fused quantiser too) moves
+  `NVFP4_GRADIENT_BYTES` bytes per element over its kernels (the quantiser, the two copies'
+  tensor-scale amaxes, the seed's sum), counted from the deviceless B200 program, in place
+  of the fused quantiser's `c + 2(e + s)`.
 
 Not counted: how XLA fuses these passes with the GEMM's neighbours (an amax or quantise pass
 fused into the producer of `x` or `g`, a producer fused into a compute-dtype GEMM, a
@@ -62,11 +62,12 @@ _BLOCK = {
     "blockwise": (1.0, 4 / 128, "fp8", 1),
 }
 _CUDNN = ("mxfp8", "nvfp4")  # block formats run as cuDNN block-scaled GEMMs (float32 out)
-# Bytes per element of a bfloat16 `g` that NVFP4's gradient quantisation (XLA's reference:
-# stochastic rounding) reads and writes, summed over its kernels in the deviceless B200
-# program (`tests/fp8/test_choose_gpu.py` recounts them); each read of `g` itself is 2 of them.
-NVFP4_GRADIENT_BYTES = 44.0
-_NVFP4_GRADIENT_READS = 3  # reads of `g` in its own dtype among them (mask, copy, seed)
+# Bytes per element of a bfloat16 `g` that NVFP4's gradient quantisation (the fused
+# quantiser with stochastic rounding, the tensor-scale amaxes, the seed) reads and writes,
+# summed over its kernels in the deviceless B200 program (`tests/fp8/test_choose_gpu.py`
+# recounts them: 7.63); each read of `g` itself is 2 of them.
+NVFP4_GRADIENT_BYTES = 7.6
+_NVFP4_GRADIENT_READS = 3  # reads of `g` in its own dtype among them (quantiser, amaxes)
 COMPUTE = "compute"
 
 
@@ -142,7 +143,7 @@ def gemm_parts(fmt: str, m: int, k: int, n: int, c: int, target: str) -> dict[st
     elem, scale, peak, w_orient = _BLOCK[fmt]
     eb = elem + scale
     quantise = c * s + eb * (2 * x + w_orient * w + 2 * g)
-    if fmt == "nvfp4":  # g through XLA's reference instead of the fused kernel
+    if fmt == "nvfp4":  # g: the seeded quantiser plus its amax and seed passes
         g_bytes = NVFP4_GRADIENT_BYTES + _NVFP4_GRADIENT_READS * (c - 2)
         quantise += (g_bytes - c - 2 * eb) * g
     if fmt not in _CUDNN:  # blockwise: mpjax's Pallas GEMM writes the compute dtype
