@@ -71,28 +71,16 @@ def test_the_cost_model_knows_the_kernel_by_its_name():
 @pytest.mark.parametrize("key", ["b200/mxfp8", "b200/nvfp4", "h100/blockwise"])
 def test_native_step_quantises_each_tensor_in_one_fused_kernel(flops, key):
     """Each dense GEMM's x and w (forward) and g (backward) go through the fused quantiser
-    (`mpjax_block_quantize`, a Triton custom call): one launch per tensor, both copies.
-    NVFP4's output gradients round stochastically, which the kernel does not yet compile
-    for the GPU in reasonable time: the XLA reference quantises those 5."""
+    (`mpjax_block_quantize`, a Triton custom call): one launch per tensor, both copies
+    (NVFP4's output gradients too: their stochastically rounded Hadamard columns)."""
     launches = flops[key]["quantize"]
-    assert len(launches) == (DENSE_GEMMS - 5 if key == "b200/nvfp4" else DENSE_GEMMS), launches
+    assert len(launches) == DENSE_GEMMS, launches
     assert all(nbytes > 0 for nbytes in launches)
 
 
 # What the quantisations read and write (`_block_hlo.py`'s `io`, `mpjax._src.analysis.
-# quantise_io`), per role of the quantised tensor. NVFP4 today: XLA lays out each LayerNorm
-# output (x of qkv, up, head) transposed and writes it in float32 both ways around the tensor
-# scales' amax passes; the stochastically rounded output gradients go through the XLA
-# reference, which transposes and writes float32 Hadamard-rotated copies beside its fp4 output.
-NVFP4_X = "NVFP4: each LayerNorm output laid out transposed, written in float32 both ways"
-NVFP4_G = "NVFP4: the XLA-reference (stochastically rounded) gradient quantisation"
-ROLES = [
-    pytest.param(key, role, marks=pytest.mark.xfail(strict=True, reason=reason))
-    if (reason := {("b200/nvfp4", "x"): NVFP4_X, ("b200/nvfp4", "g"): NVFP4_G}.get((key, role)))
-    else (key, role)
-    for key in ("b200/mxfp8", "b200/nvfp4", "h100/blockwise")
-    for role in ("x", "w", "g")
-]
+# quantise_io`), per role of the quantised tensor.
+ROLES = [(key, role) for key in ("b200/mxfp8", "b200/nvfp4", "h100/blockwise") for role in "xwg"]
 
 
 def _float32(arrays: list, role: str) -> list:
@@ -124,24 +112,7 @@ def test_native_step_has_no_float32_copy_of_a_quantised_operand(flops, key, role
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("key", "role"),
-    [
-        (key, role)
-        if (key, role) != ("b200/nvfp4", "g")
-        else pytest.param(
-            key,
-            role,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="NVFP4's output gradients round stochastically: the XLA reference "
-                "quantises them in several kernels",
-            ),
-        )
-        for key in ("b200/mxfp8", "b200/nvfp4", "h100/blockwise")
-        for role in ("x", "w", "g")
-    ],
-)
+@pytest.mark.parametrize(("key", "role"), ROLES)
 def test_native_step_quantises_each_tensor_in_one_kernel(flops, key, role):
     """x, w and g of each of the 5 dense GEMMs: each quantised by one fused kernel launch."""
     tensors = [t for t in flops[key]["io"]["tensors"] if t[0] == role]

@@ -11,9 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpjax._src.fp8.block_codes import e2m1_code, e4m3_bits
+from mpjax._src.fp8.block_codes import e2m1_code, e4m3_bits, stochastic_e2m1_code
 from mpjax._src.fp8.block_quantize_kernel import _flat_amax, _rotated_amax, unsupported
-from mpjax._src.fp8.blocks import _magnitude
+from mpjax._src.fp8.blocks import _magnitude, _round_e2m1
 from mpjax._src.fp8.hadamard import random_hadamard
 from mpjax.fp8 import quantize_orientations
 
@@ -78,15 +78,40 @@ def test_kernel_is_the_reference_bit_for_bit(scaling, role, dtype):
         assert q.rows.data.shape == shape and q.columns.data.shape == shape[::-1]
 
 
-@pytest.mark.parametrize(("role", "rows"), [("gradient", True), ("weight", False)])
-def test_nvfp4_hadamard_columns_with_a_seed(role, rows):
-    x = _wide((38, 70), jnp.bfloat16, special=False, seed=5)
+@pytest.mark.parametrize(
+    ("role", "rows", "special"), [("gradient", True, False), ("weight", False, True)]
+)
+def test_nvfp4_hadamard_columns_with_a_seed(role, rows, special):
+    """Ragged, a zero block, 40 binades; the second case also an inf and a NaN block."""
+    x = _wide((38, 70), jnp.bfloat16, special=special, seed=5)
     seed = jnp.uint32(987654321)
     q = _check(x, "nvfp4", seed, role=role, rows=rows, column_hadamard=True)
     assert q.columns.data.shape == (70, 48)  # M padded to the rotation's 16
-    # the rotated copy has its own tensor scale; the draws change the rounding
     nearest = _oriented(x, None, "nvfp4", "interpret", (("column_hadamard", True),))
-    assert not np.array_equal(_bits(q.columns.data), _bits(nearest.columns.data))
+    # the draws change the rounding (with a NaN block every element is NaN's code)
+    assert np.array_equal(_bits(q.columns.data), _bits(nearest.columns.data)) == special
+
+
+def test_stochastic_e2m1_code_is_the_reference_rounding():
+    """The kernel's stochastic codes (seven compares) are the reference's floor-and-divide
+    rounding, bit for bit: every e2m1 value, the midpoints and quarter points between them,
+    their float32 neighbours, zeros of both signs, NaN, tiny values; each with draws at 0,
+    at and beside every threshold `(|v| - low) / ulp`, and just below 1."""
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    points = [grid, (grid[1:] + grid[:-1]) / 2, grid[:-1] + (grid[1:] - grid[:-1]) / 4]
+    v = np.concatenate(points + [np.array([1e-30, 3e-5], np.float32)])
+    v = np.concatenate([v, np.nextafter(v, 0), np.nextafter(v, 7)]).astype(np.float32)
+    v = np.unique(np.clip(v, 0, 6))
+    v = np.concatenate([v, -v, [np.nan, -np.nan]]).astype(np.float32)
+    ulp = np.where(np.abs(v) < 2, 0.5, np.where(np.abs(v) < 4, 1.0, 2.0)).astype(np.float32)
+    frac = np.nan_to_num((np.abs(v) - np.floor(np.abs(v) / ulp) * ulp) / ulp)
+    u = [np.zeros_like(v), frac, np.nextafter(frac, 0), np.nextafter(frac, 1)]
+    u = np.clip(np.stack(u + [np.full_like(v, 1 - 2.0**-24)]), 0, 1 - 2.0**-24)
+    v = np.broadcast_to(v, u.shape).astype(np.float32)
+    got = np.asarray(jax.jit(stochastic_e2m1_code)(v, u.astype(np.float32)))
+    want = _xla_bits(v, None, lambda v, u: _round_e2m1(v, u), u.astype(np.float32))
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) == 16  # every code, both signs
 
 
 @pytest.mark.parametrize("scaling", ["mxfp8", "blockwise", "nvfp4"])
@@ -112,8 +137,8 @@ def test_power_of_two_blockwise_scales():
     _assert_same(q, want)
 
 
-def _xla_bits(v, dtype):
-    out = jax.jit(lambda v: v.astype(dtype))(v)
+def _xla_bits(v, dtype, convert=None, *args):
+    out = jax.jit(convert or (lambda v: v.astype(dtype)))(v, *args)
     return np.asarray(out).view(np.uint8)
 
 

@@ -54,17 +54,14 @@ _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 _MXFP8_ROW_BLOCKS = 4  # 32-row blocks per MXFP8 program
 
 
-def unsupported(
-    x, scaling: str, role: str, rows: bool, columns: bool, hadamard: bool, seeded=False, impl=""
-):
+def unsupported(x, scaling: str, role: str, rows: bool, columns: bool, hadamard: bool):
     """Why the kernel cannot quantise `x` this way (the reference then does), or None.
 
-    Stochastic rounding (`seeded`) runs in interpret mode only for now: its Triton compile
-    (the counter hash) did not finish in minutes, so `"auto"` gives it to the reference.
+    Stochastic rounding (a `column_seed`) is supported: its codes come from seven compares
+    (`block_codes.stochastic_e2m1_code`), which compile for the GPU as fast as nearest
+    rounding.
     """
     m, k = x.shape
-    if seeded and impl != "interpret":
-        return "stochastic rounding (column_seed) compiles for the GPU too slowly"
     if np.dtype(x.dtype) not in _DTYPES:
         return f"x is {x.dtype} (the kernel reads bfloat16 or float32)"
     if x.size == 0 or x.size >= MAX_ELEMENTS:

@@ -143,9 +143,7 @@ def quantize_orientations(
         columns=columns,
         column_hadamard=column_hadamard,
     )
-    reason = unsupported(
-        x, scaling, role, rows, columns, column_hadamard, column_seed is not None, impl
-    )
+    reason = unsupported(x, scaling, role, rows, columns, column_hadamard)
 
     def block_quantize(x, column_seed):
         return dispatch(
