@@ -103,9 +103,9 @@ MULTI_RESNET += tuple(MULTI_RESNET_VARIANTS)
 HSDP_LM = ("bf16", "policy-noop-scaled", "fp16-scaled", "fp16-scaled-pallas")
 X8 = ("h100x8", "h100x2x4")
 BLOCKS_H100 = ("bf16", "fp8-tensorwise", "fp8-blockwise", "fp8-blockwise-emulated")
-BLOCKS_H100 += ("fp8-blockwise-roofline",)
+BLOCKS_H100 += ("fp8-blockwise-roofline", "fp8-blockwise-copies")
 BLOCKS_B200 = ("bf16", "fp8-tensorwise", "fp8-mxfp8", "fp8-nvfp4")
-BLOCKS_B200 += ("fp8-mxfp8-roofline", "fp8-nvfp4-roofline")
+BLOCKS_B200 += ("fp8-mxfp8-roofline", "fp8-nvfp4-roofline", "fp8-mxfp8-copies", "fp8-nvfp4-copies")
 
 CASES = (
     # Full train steps on one H100 vs hand-written Flax bf16 (was gpu_cost_model.py).

@@ -16,7 +16,10 @@ recipe; on the H100 mpjax's Pallas kernel runs each GEMM in fp8), `fp8-blockwise
 (the same numbers dequantised to bf16), `fp8-mxfp8` and `fp8-nvfp4` (cuDNN block-scaled
 GEMMs on the B200 target); the LM head stays bf16. `-roofline`: the same recipe with
 `choose="roofline"` for its GPU (each GEMM in the recipe's format, in tensorwise fp8 or in
-bf16, whichever the roofline prefers).
+bf16, whichever the roofline prefers). `-copies`: the step reads its weights' block-quantised
+copies (`mpjax.fp8.weight_copies`, kept in the state) instead of quantising them: the program
+of every micro-batch but the first under gradient accumulation, where the copies are made once
+per optimizer step (optimizer update included, as in the other rows).
 
 ResNet: `fp8-conv` (`Fp8Recipe(convs="none")`, every convolution bf16), `fp8-1x1` (each 1x1
 convolution an fp8 GEMM forward and backward) and `fp8-1x1-min256` / `-min512` (only those
@@ -77,7 +80,7 @@ def _adamw():
 def _autocast_fp8(scaling):
     def build(cfg):
         model = _lm(cfg, attention_fn=cudnn_attention)  # the anchor's attention
-        recipe = mpjax.Fp8Recipe(scaling=scaling, exclude=("*/head",))
+        recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering="native", exclude=("*/head",))
         return lm_program(cfg, mpjax.autocast(model.apply, ONE_STRING, fp8=recipe), _lm(cfg))
 
     return build
@@ -176,6 +179,34 @@ def _autocast_blocks(scaling: str, lowering: str = "native", roofline_for: str |
     return build
 
 
+def _blocks_with_copies(scaling: str):
+    """The step with the weights' copies made beforehand (`weight_copies`, in the state)."""
+
+    def build(cfg):
+        model = _lm(cfg, attention_fn=cudnn_attention)
+        recipe = mpjax.Fp8Recipe(scaling=scaling, block_lowering="native", exclude=("*/head",))
+        apply = mpjax.autocast(model.apply, ONE_STRING, fp8=recipe)
+        base = lm_program(cfg, apply, _lm(cfg))
+
+        def init(key):
+            params, opt_state = base.init(key)
+            tokens, padding = base.batch(key)
+            copies = mpjax.fp8.weight_copies(apply, {"params": params}, tokens[:, :-1], padding)
+            return params, opt_state, copies
+
+        def step(state, batch):
+            params, opt_state, copies = state
+            fast = apply.with_fp8_weights(fp8_weights=copies)
+            (params, opt_state), loss = lm_program(cfg, fast, _lm(cfg)).step(
+                (params, opt_state), batch
+            )
+            return (params, opt_state, copies), loss
+
+        return TrainProgram(init, base.batch, step, base.items)
+
+    return build
+
+
 # Block-scaled recipes (issue 30), the LM head in bf16 as for tensorwise: blockwise on the
 # H100 (mpjax's Pallas fp8 kernel; `-emulated`: dequantised to bf16), MXFP8 and NVFP4 on
 # the B200 (cuDNN block-scaled GEMMs).
@@ -188,6 +219,9 @@ BLOCK_VARIANTS = MappingProxyType(
         "fp8-blockwise-roofline": _autocast_blocks("blockwise", roofline_for="h100"),
         "fp8-mxfp8-roofline": _autocast_blocks("mxfp8", roofline_for="b200"),
         "fp8-nvfp4-roofline": _autocast_blocks("nvfp4", roofline_for="b200"),
+        "fp8-blockwise-copies": _blocks_with_copies("blockwise"),
+        "fp8-mxfp8-copies": _blocks_with_copies("mxfp8"),
+        "fp8-nvfp4-copies": _blocks_with_copies("nvfp4"),
     }
 )
 
