@@ -200,12 +200,12 @@ def weight_copies(
 
     Args:
       fn: a function returned by `mpjax.autocast(..., fp8=<block-scaled recipe>)`.
-      *args: `fn`'s positional arguments (arrays or `jax.ShapeDtypeStruct`s, except the
-        weights, which must be arrays).
+      *args: `fn`'s positional arguments (arrays or `jax.ShapeDtypeStruct` values, except
+        the weights, which must be arrays).
       argnum: the position of the weights among `args`.
       previous: the copies of the previous call, to keep where `refresh` is false.
       refresh: with `previous`, a boolean scalar (traced or not): make the copies again
-        (True) or return `previous`' (False), under `lax.cond`.
+        (True) or return the copies of `previous` (False), under `lax.cond`.
       **kwargs: `fn`'s keyword arguments.
 
     Returns:
