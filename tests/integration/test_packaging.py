@@ -168,3 +168,52 @@ def test_the_docs_extra_holds_every_package_the_docs_build_imports():
         if not dists & installed:
             missing[name] = sorted(dists)
     assert not missing, f"the docs build imports, `pip install .[docs]` does not bring: {missing}"
+
+
+# --- one version: pyproject.toml reads mpjax/_version.py, the CHANGELOG's release is it ----------
+
+
+def _pyproject() -> dict:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def _attr_version(spec: str) -> str:
+    """The value of `module.NAME` as setuptools reads an `attr:` (statically, from the source)."""
+    module, _, name = spec.rpartition(".")
+    tree = ast.parse(_module_file(module).read_text())
+    (value,) = [
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == name for t in n.targets)
+    ]
+    return ast.literal_eval(value)
+
+
+def test_the_package_and_its_metadata_have_one_version():
+    import mpjax
+
+    config = _pyproject()
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    spec = config["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert _attr_version(spec) == mpjax.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", mpjax.__version__)
+
+
+def released_sections(changelog: str) -> list[tuple[str, str]]:
+    """(version, body) of each `## <version> (<date>)` section of the CHANGELOG, top first."""
+    heads = list(re.finditer(r"^## (\d+\.\d+\.\d+)\b.*$", changelog, re.M))
+    ends = [h.start() for h in heads[1:]] + [len(changelog)]
+    return [(h.group(1), changelog[h.end() : end]) for h, end in zip(heads, ends, strict=True)]
+
+
+def test_the_changelogs_top_release_is_this_version_and_says_how_to_upgrade():
+    import mpjax
+
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert re.search(r"^## Unreleased$", changelog, re.M), "an Unreleased section on top"
+    assert changelog.index("## Unreleased") < changelog.index(f"## {mpjax.__version__}")
+    (version, body), *older = released_sections(changelog)
+    assert version == mpjax.__version__
+    assert re.search(r"^### Upgrading from \d+\.\d+", body, re.M), body[:200]
+    assert all(v != version for v, _ in older)
