@@ -8,6 +8,7 @@ target, as orbax and flax msgpack give them, and a `LossScaledState` without `la
 
 from __future__ import annotations
 
+import pathlib
 import pickle
 import re
 import typing
@@ -24,8 +25,8 @@ import mpjax
 from mpjax._src.scaling import loss_scaled as loss_scaled_module
 from mpjax._src.scaling.loss_scaled import LossScaledState
 from tests.fixtures import write_checkpoints as writer
-from tests.scaling.test_checkpoints_6a474e7 import FIXTURES
 
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "checkpoints_6a474e7"
 NAMES = ["remainder-int8", "auto-f32"]
 UPGRADE = r"restore it through mpjax\.upgrade_state\(old, template\).*docs/guides/migration\.md"
 
