@@ -101,11 +101,17 @@ def test_single_device_template_stays_as_tx_init_leaves_it():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_eval_shape_template_gives_concrete_arrays_laid_out_like_it(axis_type):
-    """It crashed with a bare `TypeError: int() ... ShapeDtypeStruct`."""
+    """It crashed with a bare `TypeError: int() ... ShapeDtypeStruct`. Explicit axes: the
+    template built as documented, under `jax.set_mesh` (jax 0.12's `eval_shape` outside it
+    drops Adam's moments' shardings), used without it."""
     mesh, p = _fsdp(axis_type)
     tx = _tx("f32")
     state = tx.init(p)
-    abstract = jax.eval_shape(tx.init, p)
+    if axis_type == AxisType.Explicit:
+        with jax.set_mesh(mesh):
+            abstract = jax.eval_shape(tx.init, p)
+    else:
+        abstract = jax.eval_shape(tx.init, p)
     tree = mpjax.upgrade_state(
         _roundtrip({"params": p, "opt_state": state}), {"params": p, "opt_state": abstract}
     )
@@ -122,7 +128,8 @@ def test_eval_shape_template_alone_resolves_its_abstract_mesh_under_set_mesh():
     mesh, p = _fsdp(AxisType.Explicit)
     tx = _tx("f32")
     state = tx.init(p)
-    abstract = jax.eval_shape(tx.init, p)
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(tx.init, p)
     with pytest.raises(ValueError, match=r"abstract mesh .*jax.set_mesh\(mesh\)"):
         mpjax.upgrade_state(_roundtrip(state), abstract)  # no concrete mesh to be found
     with jax.set_mesh(mesh):
@@ -130,6 +137,28 @@ def test_eval_shape_template_alone_resolves_its_abstract_mesh_under_set_mesh():
         _assert_same_values(upgraded, state)
         assert upgraded.inner_state[0].mu["w"].sharding == NamedSharding(mesh, P("d", None))
         jax.jit(tx.update)(p, upgraded, p)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_abstract_leaves_without_sharding_beside_a_mesh(axis_type):
+    """An abstract template of no shardings beside the params on a mesh: the scalars are
+    replicated over the mesh, the other leaves come back uncommitted (as the template says
+    nothing of their placement); under Auto axes the jitted update runs on them."""
+    mesh, p = _fsdp(axis_type)
+    tx = _tx("f32")
+    state = tx.init(p)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    tree = mpjax.upgrade_state(
+        _roundtrip({"params": p, "opt_state": state}), {"params": p, "opt_state": abstract}
+    )
+    _assert_same_values(tree["opt_state"], state)
+    for x in jax.tree.leaves(tree["opt_state"]):
+        if x.ndim == 0:
+            assert x.sharding == NamedSharding(mesh, P()) and x.committed
+        else:
+            assert not x.committed
+    if axis_type == AxisType.Auto:
+        jax.jit(tx.update)(p, tree["opt_state"], tree["params"])
 
 
 def test_eval_shape_template_without_shardings_on_one_device():

@@ -165,15 +165,22 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any
         `{"params": ..., "opt_state": ...}`), as restored without a target, or restored
         into a target.
       template: the same tree as built today (e.g. `{"params": params, "opt_state":
-        tx.init(params)}`), with the checkpoint's optimizer and `master_weights` mode.
+        tx.init(params)}`), with the checkpoint's optimizer, `master_weights` mode and
+        dtypes (nothing is cast), or its abstract form (`jax.eval_shape(tx.init, params)`,
+        `jax.ShapeDtypeStruct`s with or without `.sharding`). The result is placed like it:
+        each leaf with the template's sharding, and the leaves it leaves unplaced
+        (`tx.init`'s scalars) replicated over the template's mesh where it has one (the
+        rules: docs/guides/migration.md).
       block_size: the `block_size` of the checkpoint's `low_precision_state(..., jnp.int8)`
         (an int; 256 is the default).
 
     Returns:
-      A tree structured like `template`.
+      A tree structured like `template`, of concrete arrays.
 
     Raises:
-      ValueError: the checkpoint is of another mode, optimizer or params, naming the leaf.
+      ValueError: the checkpoint is of another mode, optimizer, params or dtypes, holds int8
+        codes of another shape or a corrupt `layout_version`, naming the leaf; or a template
+        leaf is sharded over an abstract mesh that no concrete mesh resolves.
 
     Example:
       >>> import flax.serialization as fs, jax.numpy as jnp, optax, mpjax

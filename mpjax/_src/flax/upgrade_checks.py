@@ -11,9 +11,11 @@ The rules (docs/guides/migration.md, "Checkpoints of an older mpjax"):
 - The result is placed like the template: a leaf with a sharding of its own (a committed
   array, a `jax.ShapeDtypeStruct` with `.sharding`) gets it, resolved to the template's or
   `jax.set_mesh`'s concrete mesh when it names an abstract one (`jax.eval_shape` under Explicit
-  mesh axes). Where the template's other leaves span one mesh, a leaf on a single device or
-  on none (`tx.init`'s scalars, an abstract leaf without `.sharding`) is replicated over that
-  mesh; elsewhere such a leaf is left as `tx.init` leaves it (the default device, uncommitted).
+  mesh axes). Where the template's other leaves span one mesh, a scalar on a single device
+  or on none (`tx.init`'s scalars: Adam's count, the loss scale) is replicated over that mesh.
+  Any other leaf is placed as in the template: on its one device, or, without a sharding (an
+  uncommitted array, an abstract leaf without `.sharding`), on the default device,
+  uncommitted.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def check_dtypes(raw: Any, tgt: Any, path: tuple[str, ...] = ()) -> None:
             return
         raise ValueError(
             f"upgrade_state: the checkpoint's {_name(path)} is {raw!r:.60} (a "
-            f"{type(raw).__name__}), the template's a {want.name} array: the checkpoint is "
+            f"{type(raw).__name__}), the template's an array of {want.name}: the checkpoint is "
             f"not the one this template describes; {_REBUILD}"
         )
     if np.dtype(raw.dtype) != want:
@@ -226,6 +228,7 @@ def place_like(state: Any, template: Any) -> Any:
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
     values = treedef.flatten_up_to(state)
+    template_leaves = [t for _, t in flat]
     owns = [_own_sharding(t) for _, t in flat]
     meshes = [s.mesh for s in owns if isinstance(s, NamedSharding) and not _is_abstract(s)]
     owns = [
@@ -245,7 +248,11 @@ def place_like(state: Any, template: Any) -> Any:
         else:
             mesh = jax.sharding.Mesh(np.asarray(sorted(devices, key=lambda d: d.id)), ("_all",))
             shared = NamedSharding(mesh, P())
-        owns = [shared if s is None or len(s.device_set) == 1 else s for s in owns]
+        for i, (t, s) in enumerate(zip(template_leaves, owns, strict=True)):
+            if np.ndim(t) == 0:
+                owns[i] = shared if s is None or len(s.device_set) == 1 else s
+            # any other leaf as in the template: on its one device, or uncommitted (an array
+            # without sharding: a mesh with Explicit axes types it unsharded)
     out = []
     for (_, t), v, sharding in zip(flat, values, owns, strict=True):
         if not hasattr(v, "dtype") and hasattr(t, "dtype"):
