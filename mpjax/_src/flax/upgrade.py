@@ -9,13 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import flax.serialization
+from mpjax._src.flax.upgrade_checks import (
+    check_codes,
+    check_dtypes,
+    check_layout_version,
+    check_like_template,
+    place_like,
+    version_leaf,
+)
 from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
-from mpjax._src.scaling.loss_scaled import STATE_LAYOUT_VERSION
 from mpjax._src.scaling.master_check import master_kind
 
 __all__ = ["upgrade_state"]
@@ -53,8 +59,10 @@ def _kind(x: Any) -> str:
 def _mode_error(path: tuple[str, ...], raw: Any, tgt: Any) -> ValueError:
     return ValueError(
         f"upgrade_state: the checkpoint's {_name(path)} holds {_kind(raw)}, but the template "
-        f"holds {_kind(tgt)}: the checkpoint was written with another master_weights mode. "
-        "Upgrade it with a template built with the checkpoint's mode "
+        f"holds {_kind(tgt)}: the checkpoint was written with another master_weights mode, "
+        "or for params of another dtype (under 'auto' and 'remainder' only params narrower "
+        "than float32 keep a master, and only bfloat16 ones a remainder). Upgrade it with a "
+        "template built with the checkpoint's mode and params' dtypes "
         "(mpjax.loss_scaled(..., master_weights=<that mode>).init(params)), then convert with "
         "mpjax.with_master_weights(opt_state, params, <this mode>) (exact)."
     )
@@ -102,13 +110,9 @@ def _upgrade(
                 "optimizer; build the template with the optimizer that wrote it"
             )
         if set(tgt) == {"codes", "scales"} and set(raw) == {"codes", "scales"}:
+            check_codes(raw, tgt, path)
             return _blockwise8(raw, tgt, path, block_size)
-        version = raw.get("layout_version", 0 if "layout_version" in tgt else None)
-        if version is not None and int(np.asarray(version)) > STATE_LAYOUT_VERSION:
-            raise ValueError(
-                f"upgrade_state: {_name(path)} has state layout version {int(version)}, newer "
-                f"than this mpjax reads ({STATE_LAYOUT_VERSION}): upgrade mpjax"
-            )
+        check_layout_version(raw, tgt, path)
         missing = sorted(set(tgt) - set(raw) - {"layout_version"})
         extra = sorted(set(raw) - set(tgt))
         if missing or extra:
@@ -123,10 +127,10 @@ def _upgrade(
                 raw[k], tgt[k], (*path, k), block_size, in_master or (state and k == "master")
             )
             for k in tgt
-            if k in raw
+            if k in raw and k != "layout_version"
         }
         if "layout_version" in tgt:
-            out["layout_version"] = tgt["layout_version"]
+            out["layout_version"] = version_leaf(tgt["layout_version"])
         return out
     if in_master and (isinstance(raw, dict) or getattr(raw, "dtype", None) != tgt.dtype):
         raise _mode_error(path, raw, tgt)
@@ -161,15 +165,22 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any
         `{"params": ..., "opt_state": ...}`), as restored without a target, or restored
         into a target.
       template: the same tree as built today (e.g. `{"params": params, "opt_state":
-        tx.init(params)}`), with the checkpoint's optimizer and `master_weights` mode.
+        tx.init(params)}`), with the checkpoint's optimizer, `master_weights` mode and
+        dtypes (nothing is cast), or its abstract form (`jax.eval_shape(tx.init, params)`,
+        `jax.ShapeDtypeStruct`s with or without `.sharding`). The result is placed like it:
+        each leaf with the template's sharding, and the leaves it leaves unplaced
+        (`tx.init`'s scalars) replicated over the template's mesh where it has one (the
+        rules: docs/guides/migration.md).
       block_size: the `block_size` of the checkpoint's `low_precision_state(..., jnp.int8)`
         (an int; 256 is the default).
 
     Returns:
-      A tree structured like `template`.
+      A tree structured like `template`, of concrete arrays.
 
     Raises:
-      ValueError: the checkpoint is of another mode, optimizer or params, naming the leaf.
+      ValueError: the checkpoint is of another mode, optimizer, params or dtypes, holds int8
+        codes of another shape or a corrupt `layout_version`, naming the leaf; or a template
+        leaf is sharded over an abstract mesh that no concrete mesh resolves.
 
     Example:
       >>> import flax.serialization as fs, jax.numpy as jnp, optax, mpjax
@@ -180,13 +191,9 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any
       >>> int(state.layout_version)
       1
     """
-    new = _upgrade(_as_dict(restored), _as_dict(template), (), block_size)
-    state = flax.serialization.from_state_dict(template, jax.tree.map(jnp.asarray, new))
-    return jax.tree.map(_placed_like, state, template)
-
-
-def _placed_like(leaf: Any, target: Any) -> Any:
-    """`leaf` on `target`'s devices and sharding (a restored leaf is on the default device):
-    an update with sharded params needs its state sharded the same way."""
-    sharding = getattr(target, "sharding", None)
-    return leaf if sharding is None else jax.device_put(leaf, sharding)
+    raw, tgt = _as_dict(restored), _as_dict(template)
+    check_dtypes(raw, tgt)
+    new = _upgrade(raw, tgt, (), block_size)
+    state = place_like(flax.serialization.from_state_dict(template, new), template)
+    check_like_template(state, template)
+    return state
