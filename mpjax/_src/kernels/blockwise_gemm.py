@@ -7,6 +7,10 @@ does what DeepGEMM does: for each 128-wide slice of `K` it runs one fp8 x fp8 te
 product into float32 and promotes it, multiplied by the slice's row and column scales, into
 a float32 accumulator (one Triton program per 128x128 output tile). The XLA reference
 dequantises both operands to float32 and multiplies them (the same sum, in another order).
+
+`kernel="mosaic_gpu"` runs the Pallas Mosaic GPU kernel instead
+(`mpjax._src.kernels.blockwise_gemm_mgpu`: TMA, warp specialisation, two consumer warpgroups
+promoting in turn) where this JAX has its API, the Triton kernel where it has not.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mpjax._src.kernels import blockwise_gemm_mgpu as mgpu
 from mpjax._src.kernels.common import MAX_ELEMENTS, next_pow2
 from mpjax._src.kernels.dispatch import dispatch
 
 __all__ = [
     "BLOCK_K",
+    "KERNELS",
     "KERNEL_NAME",
     "blockwise_fp8_gemm",
     "blockwise_fp8_gemm_reference",
@@ -43,6 +49,9 @@ KERNEL_NAME = "mpjax_blockwise_fp8_gemm"
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _F32 = jnp.float32
 _MIN_CAPABILITY = 8.9  # fp8 tensor cores: Ada, Hopper and later
+# The GPU kernels: Pallas Triton (any JAX mpjax supports), Pallas Mosaic GPU (Hopper wgmma)
+KERNELS = ("triton", "mosaic_gpu")
+_MGPU_CAPABILITY = 9.0  # wgmma and TMA: Hopper (sm_90a)
 
 
 def _check(a, a_scales, b, b_scales) -> None:
@@ -68,7 +77,7 @@ def _check(a, a_scales, b, b_scales) -> None:
             )
 
 
-def _unsupported(a, b) -> str | None:
+def _unsupported(a, b, minimum: float = _MIN_CAPABILITY) -> str | None:
     """Why the kernel cannot take these inputs here, or None."""
     if max(a.size, b.size) >= MAX_ELEMENTS:
         return f"operands of {max(a.size, b.size)} elements (int32 offsets)"
@@ -76,8 +85,18 @@ def _unsupported(a, b) -> str | None:
         gpus = jax.local_devices(backend="gpu")
     except RuntimeError:  # no GPU backend: a deviceless compile targets Hopper (sm_90)
         return None
-    low = [d for d in gpus if float(getattr(d, "compute_capability", 0)) < _MIN_CAPABILITY]
-    return f"no fp8 tensor cores on {low[0].device_kind}" if low else None
+    low = [d for d in gpus if float(getattr(d, "compute_capability", 0)) < minimum]
+    return f"compute capability below {minimum} on {low[0].device_kind}" if low else None
+
+
+def _chosen_kernel(kernel: str) -> str:
+    """`kernel` checked; "mosaic_gpu" where this JAX lacks its API becomes "triton"."""
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"blockwise_fp8_gemm: kernel must be one of {KERNELS}, got {kernel!r} "
+            "(mosaic_gpu: Hopper's wgmma kernel, triton: the portable one)"
+        )
+    return kernel if kernel == "triton" or mgpu.KERNEL_AVAILABLE else "triton"
 
 
 def blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, *, out_dtype=_F32) -> jax.Array:
@@ -263,6 +282,7 @@ def blockwise_fp8_gemm(
     *,
     out_dtype=_F32,
     impl: str = "auto",
+    kernel: str = "triton",
 ) -> jax.Array:
     """`a @ b.T` of fp8 operands scaled per 128 elements of K, accumulated in float32.
 
@@ -279,6 +299,9 @@ def blockwise_fp8_gemm(
       b_scales: `[N, ceil(K / 128)]` float32.
       out_dtype: the result's dtype.
       impl: "auto", "pallas", "interpret" or "xla" (see `mpjax._src.kernels.dispatch`).
+      kernel: the GPU kernel `impl` runs: "triton" (Pallas Triton, compute capability 8.9
+        and above) or "mosaic_gpu" (Pallas Mosaic GPU, Hopper's wgmma: compute capability
+        9.0 and above; "triton" where this JAX lacks the Mosaic GPU API it uses).
 
     Returns:
       `[M, N]` in `out_dtype`.
@@ -292,16 +315,22 @@ def blockwise_fp8_gemm(
       160.0
     """
     _check(a, a_scales, b, b_scales)
+    kernel = _chosen_kernel(kernel)
     if impl == "xla":
         return blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, out_dtype=out_dtype)
-    unsupported = _unsupported(a, b)
+    if kernel == "mosaic_gpu":
+        unsupported = _unsupported(a, b, _MGPU_CAPABILITY)
+        body = functools.partial(mgpu.mgpu_gemm, out_dtype=out_dtype)
+    else:
+        unsupported = _unsupported(a, b)
+        body = functools.partial(_pallas_gemm, out_dtype=out_dtype)
 
     def run(a, a_scales, b, b_scales):
         return dispatch(
             "blockwise_fp8_gemm",
             impl,
             (a, a_scales, b, b_scales),
-            kernel=functools.partial(_pallas_gemm, out_dtype=out_dtype),
+            kernel=body,
             reference=functools.partial(blockwise_fp8_gemm_reference, out_dtype=out_dtype),
             unsupported=unsupported,
         )

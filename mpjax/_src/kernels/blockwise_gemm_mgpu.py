@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,8 @@ try:  # Mosaic GPU's Pallas API; absent or partial in older JAX: the Triton kern
         "wait_smem_to_gmem",
     )  # fmt: skip
     KERNEL_AVAILABLE = all(hasattr(plgpu, name) for name in _NEEDED)
+    # `load(ref, idx, layout=...)` in older JAX, `load(ref, layout=...)` in newer
+    _LOAD_TAKES_IDX = KERNEL_AVAILABLE and "idx" in inspect.signature(plgpu.load).parameters
     INTERPRET_AVAILABLE = KERNEL_AVAILABLE and hasattr(plgpu, "InterpretGPUParams")
 except ImportError:  # pragma: no cover - a JAX without Mosaic GPU
     KERNEL_AVAILABLE = INTERPRET_AVAILABLE = False
@@ -160,6 +163,11 @@ def reference_loop(a, a_scales, b, b_scales, *, out_dtype=_F32, tiling: Tiling =
     return out[:m, :n]
 
 
+def _load(ref, layout):
+    """`ref`'s whole contents in registers, in `layout`."""
+    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_IDX else plgpu.load(ref, layout=layout)
+
+
 def _num_sms() -> int:
     """The SMs of the GPU traced for: the abstract mesh's device, else a GPU backend's."""
     device = jax.sharding.get_abstract_mesh().abstract_device
@@ -238,8 +246,8 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, tiling: Tiling):
                     return acc_ref[...]
 
                 part = pl.run_scoped(slice_product, plgpu.ACC((wm, tn), _F32))
-                sa = plgpu.load(as_smem.at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                sb = plgpu.load(bs_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+                sa = _load(as_smem.at[0, rows], plgpu.Layout.WGMMA.reduce(1))
+                sb = _load(bs_smem.at[0], plgpu.Layout.WGMMA.reduce(0))
                 scale = lax.broadcast_in_dim(sa, (wm, tn), [0]) * lax.broadcast_in_dim(
                     sb, (wm, tn), [1]
                 )
