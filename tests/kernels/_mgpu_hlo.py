@@ -28,11 +28,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mpjax._src.analysis import hlo_cost  # noqa: E402
-from mpjax._src.analysis.target import h100_sharding, lower_step  # noqa: E402
-from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm  # noqa: E402
+from mpjax._src.analysis.target import (  # noqa: E402
+    B200_TARGET,
+    H100_TARGET,
+    h100_sharding,
+    h100_topology,
+    lower_step,
+)
+from mpjax._src.kernels.blockwise_gemm import KERNEL_NAME, blockwise_fp8_gemm  # noqa: E402
 
 TOKENS, D, MLP = 8192, 4096, 16384
-TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::cta\.global"  # global -> shared
+TMA_LOAD = r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global"  # global -> shared
 
 
 def _custom_calls(text: str) -> list:
@@ -73,6 +79,35 @@ def kernel_alone() -> dict:
     return {"custom_calls": _custom_calls(text), **_dumped()}
 
 
+def routing() -> dict:
+    """Per target, the blockwise GEMM kernels of one dense layer's gradient step lowered with
+    `block_lowering="native"`: Mosaic GPU custom calls and Triton blockwise GEMMs."""
+    import mpjax
+    from mpjax.fp8 import block_scaled_dot_general
+
+    recipe = mpjax.Fp8Recipe("blockwise", block_lowering="native")
+    dims = (((1,), (0,)), ((), ()))
+
+    def loss(x, w):
+        return jnp.sum(block_scaled_dot_general(x, w, dims, recipe, jnp.bfloat16))
+
+    args = (
+        jax.ShapeDtypeStruct((256, 512), jnp.float32),
+        jax.ShapeDtypeStruct((512, 256), jnp.float32),
+    )
+    out = {}
+    for name, target in (("h100", H100_TARGET), ("b200", B200_TARGET)):
+        sharding = jax.sharding.SingleDeviceSharding(h100_topology(target=target).devices[0])
+        text = lower_step(
+            jax.value_and_grad(loss, (0, 1)), args, sharding, donate_argnums=()
+        ).as_text()
+        out[name] = {
+            "mosaic_gpu": len(re.findall(r"custom_call @mosaic_gpu", text)),
+            "triton": text.count(f"\\00{KERNEL_NAME}\\00"),  # NUL-separated in its module
+        }
+    return out
+
+
 def wide_step() -> dict:
     from benchmarks.fp8_variants import BLOCK_VARIANTS
     from benchmarks.harness import compile_program
@@ -98,7 +133,7 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--step", action="store_true", help="also the wide LM's train step")
     args = parser.parse_args()
-    out = {"jax": jax.__version__, "kernel": kernel_alone()}
+    out = {"jax": jax.__version__, "kernel": kernel_alone(), "routing": routing()}
     if args.step:
         out["step"] = wide_step()
     Path(args.json).write_text(json.dumps(out, indent=1))

@@ -130,7 +130,7 @@ def test_kernel_in_interpret_mode_equals_its_loop(m, n, k):
         with pytest.raises(ValueError, match="interpret mode"):
             _interpret(*args)
         return
-    got = _interpret(*args)
+    got = jax.jit(_interpret)(*args)  # jit: as a program runs it (eager below)
     assert got.shape == (m, n) and got.dtype == jnp.float32
     _close(got, mgpu.reference_loop(*args))
     _close(got, _float64(*args))

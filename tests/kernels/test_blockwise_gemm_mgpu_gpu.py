@@ -44,8 +44,13 @@ def _compile(tmp, *args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    return _compile(tmp_path_factory.mktemp("mgpu"))["kernel"]
+def compiled(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("mgpu"))
+
+
+@pytest.fixture(scope="module")
+def kernel(compiled):
+    return compiled["kernel"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +82,12 @@ def test_kernel_spills_nothing(kernel):
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     assert registers * 128 * 3 <= 65536, report  # 3 warpgroups fit one SM's register file
+
+
+def test_native_blockwise_takes_the_mosaic_kernel_on_hopper_only(compiled):
+    # forward, input and weight gradient of one dense layer; a B200 has no wgmma: Triton
+    assert compiled["routing"]["h100"] == {"mosaic_gpu": 3, "triton": 0}, compiled["routing"]
+    assert compiled["routing"]["b200"] == {"mosaic_gpu": 0, "triton": 3}, compiled["routing"]
 
 
 def _layer(path: str) -> str:

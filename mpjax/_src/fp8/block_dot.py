@@ -198,9 +198,12 @@ def _gemm(recipe, qa: BlockQuantized, qb: BlockQuantized, native, compute):
         # -> f32 dot, and the result is rounded to the compute dtype anyway
         return lax.dot_general(da, db, (((1,), (1,)), ((), ())), preferred_element_type=compute)
     if recipe.scaling == "blockwise":  # fp8 GEMMs promoted per K block (Pallas, Hopper)
-        # block_lowering="native" asks for the Mosaic GPU kernel (Triton where this JAX lacks
-        # its API); "auto" keeps the Triton kernel until a GPU measures the new one
-        kernel = "mosaic_gpu" if recipe.block_lowering == "native" else "triton"
+        # block_lowering="native" asks for the Mosaic GPU kernel (Hopper's wgmma: Triton for
+        # a target known not to be a Hopper, or where this JAX lacks its API); "auto" keeps
+        # the Triton kernel until a GPU measures the new one
+        capability = target_capability(qa.data)
+        hopper = capability == 0 or 9.0 <= capability < 10.0  # 0: not known, as deviceless
+        kernel = "mosaic_gpu" if recipe.block_lowering == "native" and hopper else "triton"
         return blockwise_fp8_gemm(
             qa.data, _rows_scales(qa), qb.data, _rows_scales(qb), out_dtype=compute, kernel=kernel
         )

@@ -51,7 +51,6 @@ _F32 = jnp.float32
 _MIN_CAPABILITY = 8.9  # fp8 tensor cores: Ada, Hopper and later
 # The GPU kernels: Pallas Triton (any JAX mpjax supports), Pallas Mosaic GPU (Hopper wgmma)
 KERNELS = ("triton", "mosaic_gpu")
-_MGPU_CAPABILITY = 9.0  # wgmma and TMA: Hopper (sm_90a)
 
 
 def _check(a, a_scales, b, b_scales) -> None:
@@ -77,7 +76,7 @@ def _check(a, a_scales, b, b_scales) -> None:
             )
 
 
-def _unsupported(a, b, minimum: float = _MIN_CAPABILITY) -> str | None:
+def _unsupported(a, b) -> str | None:
     """Why the kernel cannot take these inputs here, or None."""
     if max(a.size, b.size) >= MAX_ELEMENTS:
         return f"operands of {max(a.size, b.size)} elements (int32 offsets)"
@@ -85,18 +84,31 @@ def _unsupported(a, b, minimum: float = _MIN_CAPABILITY) -> str | None:
         gpus = jax.local_devices(backend="gpu")
     except RuntimeError:  # no GPU backend: a deviceless compile targets Hopper (sm_90)
         return None
-    low = [d for d in gpus if float(getattr(d, "compute_capability", 0)) < minimum]
-    return f"compute capability below {minimum} on {low[0].device_kind}" if low else None
+    low = [d for d in gpus if float(getattr(d, "compute_capability", 0)) < _MIN_CAPABILITY]
+    return f"no fp8 tensor cores on {low[0].device_kind}" if low else None
+
+
+def _hopper_or_deviceless() -> bool:
+    """Whether every local GPU is a Hopper (wgmma: sm_90a), or there is none (a deviceless
+    compile, which targets Hopper)."""
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return True
+    return all(9.0 <= float(getattr(d, "compute_capability", 0)) < 10.0 for d in gpus)
 
 
 def _chosen_kernel(kernel: str) -> str:
-    """`kernel` checked; "mosaic_gpu" where this JAX lacks its API becomes "triton"."""
+    """`kernel` checked; "mosaic_gpu" becomes "triton" where this JAX lacks its API or a
+    local GPU is not a Hopper (Ada has no wgmma; Blackwell's tensor cores take tcgen05)."""
     if kernel not in KERNELS:
         raise ValueError(
             f"blockwise_fp8_gemm: kernel must be one of {KERNELS}, got {kernel!r} "
             "(mosaic_gpu: Hopper's wgmma kernel, triton: the portable one)"
         )
-    return kernel if kernel == "triton" or mgpu.KERNEL_AVAILABLE else "triton"
+    if kernel == "mosaic_gpu" and mgpu.KERNEL_AVAILABLE and _hopper_or_deviceless():
+        return kernel
+    return "triton"
 
 
 def blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, *, out_dtype=_F32) -> jax.Array:
@@ -300,8 +312,8 @@ def blockwise_fp8_gemm(
       out_dtype: the result's dtype.
       impl: "auto", "pallas", "interpret" or "xla" (see `mpjax._src.kernels.dispatch`).
       kernel: the GPU kernel `impl` runs: "triton" (Pallas Triton, compute capability 8.9
-        and above) or "mosaic_gpu" (Pallas Mosaic GPU, Hopper's wgmma: compute capability
-        9.0 and above; "triton" where this JAX lacks the Mosaic GPU API it uses).
+        and above) or "mosaic_gpu" (Pallas Mosaic GPU, Hopper's wgmma; "triton" where this
+        JAX lacks the Mosaic GPU API it uses or a local GPU is not a Hopper).
 
     Returns:
       `[M, N]` in `out_dtype`.
@@ -318,11 +330,10 @@ def blockwise_fp8_gemm(
     kernel = _chosen_kernel(kernel)
     if impl == "xla":
         return blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, out_dtype=out_dtype)
+    unsupported = _unsupported(a, b)
     if kernel == "mosaic_gpu":
-        unsupported = _unsupported(a, b, _MGPU_CAPABILITY)
         body = functools.partial(mgpu.mgpu_gemm, out_dtype=out_dtype)
     else:
-        unsupported = _unsupported(a, b)
         body = functools.partial(_pallas_gemm, out_dtype=out_dtype)
 
     def run(a, a_scales, b, b_scales):
@@ -337,6 +348,10 @@ def blockwise_fp8_gemm(
 
     if _sharded_explicitly(a, b):  # sharding in the types: shard_map over the same split
         return _explicit_rows(run, a, a_scales, b, b_scales)
+    if impl == "interpret" and kernel == "mosaic_gpu":
+        # Mosaic GPU's interpreter has ordered effects, which `custom_partitioning` cannot
+        # lower: interpreted (a CPU check of the kernel), it runs whole, unpartitioned
+        return run(a, a_scales, b, b_scales)
 
     # `custom_partitioning` has no batching rule: under `jax.vmap` the GEMM runs vmapped as
     # it is (a batched Pallas grid on the GPU).
