@@ -123,12 +123,25 @@ def _interpret(*args, **kw):
     return blockwise_fp8_gemm(*args, impl="interpret", kernel="mosaic_gpu", **kw)
 
 
+def _refused_without_interpret_mode(args) -> bool:
+    """On a JAX without Pallas GPU interpret mode: the kernel refuses by name, and
+    `blockwise_fp8_gemm` interprets the Triton kernel instead (same numbers). True there."""
+    if mgpu.INTERPRET_AVAILABLE:
+        return False
+    with pytest.raises(ValueError, match="interpret mode"):
+        mgpu.mgpu_gemm(*args, interpret=True)
+    traced = str(jax.make_jaxpr(_interpret)(*args))
+    assert (
+        f"name={mgpu.KERNEL_NAME}\n" not in traced and "name=mpjax_blockwise_fp8_gemm\n" in traced
+    )
+    _close(_interpret(*args), mgpu.reference_loop(*args))
+    return True
+
+
 @pytest.mark.parametrize("m,n,k", [(200, 130, 384), (16, 16, 160)], ids=str)
 def test_kernel_in_interpret_mode_equals_its_loop(m, n, k):
     args = _operands(m, n, k)
-    if not mgpu.INTERPRET_AVAILABLE:  # an older JAX: the request is refused, by name
-        with pytest.raises(ValueError, match="interpret mode"):
-            _interpret(*args)
+    if _refused_without_interpret_mode(args):
         return
     got = jax.jit(_interpret)(*args)  # jit: as a program runs it (eager below)
     assert got.shape == (m, n) and got.dtype == jnp.float32
@@ -138,9 +151,7 @@ def test_kernel_in_interpret_mode_equals_its_loop(m, n, k):
 
 def test_kernel_in_interpret_mode_nonfinite_and_bf16_out():
     args = _nonfinite_operands()
-    if not mgpu.INTERPRET_AVAILABLE:
-        with pytest.raises(ValueError, match="interpret mode"):
-            _interpret(*args)
+    if _refused_without_interpret_mode(_operands(64, 128, 256)):
         return
     _check_nonfinite(_interpret(*args), args)
     args = _operands(64, 128, 256)

@@ -98,15 +98,17 @@ def _hopper_or_deviceless() -> bool:
     return all(9.0 <= float(getattr(d, "compute_capability", 0)) < 10.0 for d in gpus)
 
 
-def _chosen_kernel(kernel: str) -> str:
-    """`kernel` checked; "mosaic_gpu" becomes "triton" where this JAX lacks its API or a
-    local GPU is not a Hopper (Ada has no wgmma; Blackwell's tensor cores take tcgen05)."""
+def _chosen_kernel(kernel: str, impl: str) -> str:
+    """`kernel` checked; "mosaic_gpu" becomes "triton" where this JAX lacks its API (or,
+    for `impl="interpret"`, Pallas GPU interpret mode) or a local GPU is not a Hopper (Ada
+    has no wgmma; Blackwell's tensor cores take tcgen05)."""
     if kernel not in KERNELS:
         raise ValueError(
             f"blockwise_fp8_gemm: kernel must be one of {KERNELS}, got {kernel!r} "
             "(mosaic_gpu: Hopper's wgmma kernel, triton: the portable one)"
         )
-    if kernel == "mosaic_gpu" and mgpu.KERNEL_AVAILABLE and _hopper_or_deviceless():
+    available = mgpu.INTERPRET_AVAILABLE if impl == "interpret" else mgpu.KERNEL_AVAILABLE
+    if kernel == "mosaic_gpu" and available and _hopper_or_deviceless():
         return kernel
     return "triton"
 
@@ -313,7 +315,8 @@ def blockwise_fp8_gemm(
       impl: "auto", "pallas", "interpret" or "xla" (see `mpjax._src.kernels.dispatch`).
       kernel: the GPU kernel `impl` runs: "triton" (Pallas Triton, compute capability 8.9
         and above) or "mosaic_gpu" (Pallas Mosaic GPU, Hopper's wgmma; "triton" where this
-        JAX lacks the Mosaic GPU API it uses or a local GPU is not a Hopper).
+        JAX lacks the Mosaic GPU API it uses, or its GPU interpret mode for
+        `impl="interpret"`, or a local GPU is not a Hopper).
 
     Returns:
       `[M, N]` in `out_dtype`.
@@ -327,7 +330,7 @@ def blockwise_fp8_gemm(
       160.0
     """
     _check(a, a_scales, b, b_scales)
-    kernel = _chosen_kernel(kernel)
+    kernel = _chosen_kernel(kernel, impl)
     if impl == "xla":
         return blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, out_dtype=out_dtype)
     unsupported = _unsupported(a, b)
