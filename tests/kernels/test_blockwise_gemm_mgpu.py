@@ -138,9 +138,11 @@ def _refused_without_interpret_mode(args) -> bool:
     return True
 
 
-@pytest.mark.parametrize("m,n,k", [(200, 130, 384), (16, 16, 160)], ids=str)
-def test_kernel_in_interpret_mode_equals_its_loop(m, n, k):
-    args = _operands(m, n, k)
+@pytest.mark.parametrize(
+    "m,n,k,dtype", [(200, 130, 384, E4M3), (16, 16, 160, E4M3), (72, 200, 256, E5M2)], ids=str
+)
+def test_kernel_in_interpret_mode_equals_its_loop(m, n, k, dtype):
+    args = _operands(m, n, k, dtype)
     if _refused_without_interpret_mode(args):
         return
     got = jax.jit(_interpret)(*args)  # jit: as a program runs it (eager below)
