@@ -38,6 +38,7 @@ from mpjax._src.analysis.target import (  # noqa: E402
     lower_step,
 )
 from mpjax._src.fp8.block_quantize_kernel import KERNEL_NAME as QUANTIZE  # noqa: E402
+from mpjax._src.kernels.blockwise_gemm import KERNEL_NAME as BLOCKWISE  # noqa: E402
 
 B, T, D, H, V = 4, 128, 512, 4, 2048
 
@@ -90,13 +91,18 @@ def lowered_step(target: Path, scaling: str, lowering: str = "native", placed: s
 
 
 def lowerings(target: Path, scaling: str, placed: str) -> dict:
-    """SHA-256 of the StableHLO text of the step lowered with each `block_lowering`."""
-    return {
-        lowering: hashlib.sha256(
-            lowered_step(target, scaling, lowering, placed).as_text().encode()
-        ).hexdigest()
-        for lowering in ("auto", "native", "emulated")
-    }
+    """SHA-256 of the StableHLO text of the step lowered with each `block_lowering`, and
+    (`kernels`) its blockwise GEMM kernels' custom calls: Mosaic GPU and Triton ones."""
+    out, kernels = {}, {}
+    for lowering in ("auto", "native", "emulated"):
+        text = lowered_step(target, scaling, lowering, placed).as_text()
+        out[lowering] = hashlib.sha256(text.encode()).hexdigest()
+        kernels[lowering] = {
+            "mosaic_gpu": len(re.findall(r"custom_call @mosaic_gpu", text)),
+            # the Triton kernel's name, NUL-separated in its serialized module
+            "triton": text.count(f"\\00{BLOCKWISE}\\00"),
+        }
+    return {**out, "kernels": kernels}
 
 
 def step_gemms(target: Path, scaling: str) -> dict:

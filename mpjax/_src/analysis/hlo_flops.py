@@ -9,7 +9,8 @@ from typing import NamedTuple
 from mpjax._src.analysis.hlo_text import Instr, attr, backend_config, dims_attr, op_name
 
 # The name of mpjax's blockwise fp8 GEMM kernel (`mpjax._src.kernels.blockwise_gemm`, a layer
-# this one does not import; a test ties the two): its FLOPs count as fp8 GEMM FLOPs.
+# this one does not import; a test ties the two): its FLOPs count as fp8 GEMM FLOPs. The
+# Mosaic GPU kernel (`blockwise_gemm_mgpu`) is this name + "_mgpu" in its op_name.
 BLOCKWISE_GEMM = "mpjax_blockwise_fp8_gemm"
 
 
@@ -94,8 +95,11 @@ def _matmul_flops(comp: dict, instr: Instr, out: dict, prefix: str = "") -> None
         elif target == "__cudnn$blockScaledDot":  # [B, M, K] x [B, N, K] -> [B, M, N]
             flops = 2 * math.prod(instr.shapes[0][1]) * ops[0][1][-1]
             _record(out, instr, "gemm", ops, flops, prefix)
-        elif "triton" in target and f'name = "{BLOCKWISE_GEMM}"' in instr.attrs:
-            # mpjax's blockwise fp8 GEMM: a [M, K], scales, b [N, K], scales -> [M, N]
+        elif ("triton" in target and f'name = "{BLOCKWISE_GEMM}"' in instr.attrs) or (
+            target.startswith("mosaic_gpu") and f"/{BLOCKWISE_GEMM}_mgpu/" in op_name(instr.attrs)
+        ):
+            # mpjax's blockwise fp8 GEMM (Triton, or Mosaic GPU: named in its metadata):
+            # a [M, K], scales, b [N, K], scales -> [M, N]
             flops = 2 * math.prod(instr.shapes[0][1]) * ops[0][1][-1]
             _record(out, instr, "gemm", (ops[0], ops[2]), flops, prefix)
         elif target.startswith("__cudnn$conv"):

@@ -116,11 +116,12 @@ def native_block_gemms(recipe: Fp8Recipe, *operands: Any) -> bool:
 
     `recipe.block_lowering="native"` asks for them: for MXFP8 and NVFP4 cuDNN block-scaled
     GEMMs through `jax.nn.scaled_matmul` (Blackwell), for blockwise fp8 tensor-core GEMMs
-    promoted per 128-wide K block (`mpjax._src.kernels.blockwise_gemm`, a Pallas kernel:
-    Hopper and later); `"emulated"` asks for the dequantised form; `"auto"` picks native
-    when the GPU the GEMM is traced for (`target_capability(*operands)`: the operands'
-    sharding, the mesh in context, else JAX's default device) has compute capability 10 or
-    above (MXFP8, NVFP4) or 8.9 or above (blockwise).
+    promoted per 128-wide K block (`mpjax._src.kernels.blockwise_gemm`: the Pallas Mosaic
+    GPU kernel, Hopper, where this JAX has its API, else the Pallas Triton kernel; `"auto"`
+    choosing native runs the Triton kernel); `"emulated"` asks for the dequantised form;
+    `"auto"` picks native when the GPU the GEMM is traced for (`target_capability(*operands)`:
+    the operands' sharding, the mesh in context, else JAX's default device) has compute
+    capability 10 or above (MXFP8, NVFP4) or 8.9 or above (blockwise).
 
     Args:
       recipe: a block-scaled `Fp8Recipe`.
@@ -197,8 +198,14 @@ def _gemm(recipe, qa: BlockQuantized, qb: BlockQuantized, native, compute):
         # -> f32 dot, and the result is rounded to the compute dtype anyway
         return lax.dot_general(da, db, (((1,), (1,)), ((), ())), preferred_element_type=compute)
     if recipe.scaling == "blockwise":  # fp8 GEMMs promoted per K block (Pallas, Hopper)
+        # block_lowering="native" asks for the Mosaic GPU kernel (Hopper's wgmma: Triton for
+        # a target known not to be a Hopper, or where this JAX lacks its API); "auto" keeps
+        # the Triton kernel until a GPU measures the new one
+        capability = target_capability(qa.data)
+        hopper = capability == 0 or 9.0 <= capability < 10.0  # 0: not known, as deviceless
+        kernel = "mosaic_gpu" if recipe.block_lowering == "native" and hopper else "triton"
         return blockwise_fp8_gemm(
-            qa.data, _rows_scales(qa), qb.data, _rows_scales(qb), out_dtype=compute
+            qa.data, _rows_scales(qa), qb.data, _rows_scales(qb), out_dtype=compute, kernel=kernel
         )
     k = qa.data.shape[1]
     pad = [(0, 0), (0, -k % qa.block[1])]

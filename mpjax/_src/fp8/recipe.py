@@ -204,10 +204,13 @@ class Fp8Recipe:
         op's choice and why.
 
       block_lowering: how the block-scaled recipes' GEMMs run: `"native"` (cuDNN
-        block-scaled GEMMs through `jax.nn.scaled_matmul`; MXFP8 and NVFP4 on Blackwell),
-        `"emulated"` (operands dequantised to the compute dtype: the format's numbers on any
-        device) or `"auto"` (native on a GPU of compute capability 10 or above, for MXFP8
-        and NVFP4). Ignored by the other scalings.
+        block-scaled GEMMs through `jax.nn.scaled_matmul`, MXFP8 and NVFP4 on Blackwell;
+        blockwise: mpjax's Pallas Mosaic GPU kernel, fp8 `wgmma` promoted per 128-wide K
+        block on Hopper, or its Pallas Triton kernel on a JAX without the Mosaic GPU API
+        it uses), `"emulated"` (operands dequantised to the compute dtype: the format's
+        numbers on any device) or `"auto"` (native on a GPU of compute capability 10 or
+        above, for MXFP8 and NVFP4; 8.9 or above for blockwise, through the Triton kernel).
+        Ignored by the other scalings.
       high_precision_last: how many of the program's last eligible GEMMs (those left after
         `min_dim`, `exclude` and `exclude_if`; before `choose`) keep the compute dtype
         (forward and both gradients), counted in the order they run in the forward program:

@@ -7,6 +7,10 @@ does what DeepGEMM does: for each 128-wide slice of `K` it runs one fp8 x fp8 te
 product into float32 and promotes it, multiplied by the slice's row and column scales, into
 a float32 accumulator (one Triton program per 128x128 output tile). The XLA reference
 dequantises both operands to float32 and multiplies them (the same sum, in another order).
+
+`kernel="mosaic_gpu"` runs the Pallas Mosaic GPU kernel instead
+(`mpjax._src.kernels.blockwise_gemm_mgpu`: TMA, warp specialisation, two consumer warpgroups
+promoting in turn) where this JAX has its API, the Triton kernel where it has not.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mpjax._src.kernels import blockwise_gemm_mgpu as mgpu
 from mpjax._src.kernels.common import MAX_ELEMENTS, next_pow2
 from mpjax._src.kernels.dispatch import dispatch
 
 __all__ = [
     "BLOCK_K",
+    "KERNELS",
     "KERNEL_NAME",
     "blockwise_fp8_gemm",
     "blockwise_fp8_gemm_reference",
@@ -43,6 +49,8 @@ KERNEL_NAME = "mpjax_blockwise_fp8_gemm"
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _F32 = jnp.float32
 _MIN_CAPABILITY = 8.9  # fp8 tensor cores: Ada, Hopper and later
+# The GPU kernels: Pallas Triton (any JAX mpjax supports), Pallas Mosaic GPU (Hopper wgmma)
+KERNELS = ("triton", "mosaic_gpu")
 
 
 def _check(a, a_scales, b, b_scales) -> None:
@@ -78,6 +86,31 @@ def _unsupported(a, b) -> str | None:
         return None
     low = [d for d in gpus if float(getattr(d, "compute_capability", 0)) < _MIN_CAPABILITY]
     return f"no fp8 tensor cores on {low[0].device_kind}" if low else None
+
+
+def _hopper_or_deviceless() -> bool:
+    """Whether every local GPU is a Hopper (wgmma: sm_90a), or there is none (a deviceless
+    compile, which targets Hopper)."""
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return True
+    return all(9.0 <= float(getattr(d, "compute_capability", 0)) < 10.0 for d in gpus)
+
+
+def _chosen_kernel(kernel: str, impl: str) -> str:
+    """`kernel` checked; "mosaic_gpu" becomes "triton" where this JAX lacks its API (or,
+    for `impl="interpret"`, Pallas GPU interpret mode) or a local GPU is not a Hopper (Ada
+    has no wgmma; Blackwell's tensor cores take tcgen05)."""
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"blockwise_fp8_gemm: kernel must be one of {KERNELS}, got {kernel!r} "
+            "(mosaic_gpu: Hopper's wgmma kernel, triton: the portable one)"
+        )
+    available = mgpu.INTERPRET_AVAILABLE if impl == "interpret" else mgpu.KERNEL_AVAILABLE
+    if kernel == "mosaic_gpu" and available and _hopper_or_deviceless():
+        return kernel
+    return "triton"
 
 
 def blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, *, out_dtype=_F32) -> jax.Array:
@@ -263,6 +296,7 @@ def blockwise_fp8_gemm(
     *,
     out_dtype=_F32,
     impl: str = "auto",
+    kernel: str = "triton",
 ) -> jax.Array:
     """`a @ b.T` of fp8 operands scaled per 128 elements of K, accumulated in float32.
 
@@ -279,6 +313,10 @@ def blockwise_fp8_gemm(
       b_scales: `[N, ceil(K / 128)]` float32.
       out_dtype: the result's dtype.
       impl: "auto", "pallas", "interpret" or "xla" (see `mpjax._src.kernels.dispatch`).
+      kernel: the GPU kernel `impl` runs: "triton" (Pallas Triton, compute capability 8.9
+        and above) or "mosaic_gpu" (Pallas Mosaic GPU, Hopper's wgmma; "triton" where this
+        JAX lacks the Mosaic GPU API it uses, or its GPU interpret mode for
+        `impl="interpret"`, or a local GPU is not a Hopper).
 
     Returns:
       `[M, N]` in `out_dtype`.
@@ -292,22 +330,31 @@ def blockwise_fp8_gemm(
       160.0
     """
     _check(a, a_scales, b, b_scales)
+    kernel = _chosen_kernel(kernel, impl)
     if impl == "xla":
         return blockwise_fp8_gemm_reference(a, a_scales, b, b_scales, out_dtype=out_dtype)
     unsupported = _unsupported(a, b)
+    if kernel == "mosaic_gpu":
+        body = functools.partial(mgpu.mgpu_gemm, out_dtype=out_dtype)
+    else:
+        body = functools.partial(_pallas_gemm, out_dtype=out_dtype)
 
     def run(a, a_scales, b, b_scales):
         return dispatch(
             "blockwise_fp8_gemm",
             impl,
             (a, a_scales, b, b_scales),
-            kernel=functools.partial(_pallas_gemm, out_dtype=out_dtype),
+            kernel=body,
             reference=functools.partial(blockwise_fp8_gemm_reference, out_dtype=out_dtype),
             unsupported=unsupported,
         )
 
     if _sharded_explicitly(a, b):  # sharding in the types: shard_map over the same split
         return _explicit_rows(run, a, a_scales, b, b_scales)
+    if impl == "interpret" and kernel == "mosaic_gpu":
+        # Mosaic GPU's interpreter has ordered effects, which `custom_partitioning` cannot
+        # lower: interpreted (a CPU check of the kernel), it runs whole, unpartitioned
+        return run(a, a_scales, b, b_scales)
 
     # `custom_partitioning` has no batching rule: under `jax.vmap` the GEMM runs vmapped as
     # it is (a batched Pallas grid on the GPU).
