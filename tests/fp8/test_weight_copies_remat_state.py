@@ -9,20 +9,64 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from jax.extend.core import jaxprs_in_params
 
 import mpjax
 from mpjax import Fp8Recipe
+from mpjax._src.fp8.orientations import QUANTIZE_NAME
 from mpjax.fp8 import WeightCopies, weight_copies
-from tests.fp8.test_weight_copies import (
-    SCALINGS,
-    _assert_equal_trees,
-    _bits,
-    _data,
-    _loss_fn,
-    _params,
-    _quantize_shapes,
-    _recipe,
-)
+
+SCALINGS = ("mxfp8", "nvfp4", "blockwise")
+TOKENS = 256
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(64, name="down")(nn.gelu(nn.Dense(128, name="up")(x)))
+
+
+def _loss_fn(params, x):
+    return jnp.mean((_Mlp().apply(params, x) - x) ** 2)
+
+
+def _recipe(scaling):
+    return Fp8Recipe(scaling, block_lowering="emulated")
+
+
+def _data(seed=0, batches=None):
+    shape = (TOKENS, 64) if batches is None else (batches, TOKENS, 64)
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _params():
+    return _Mlp().init(jax.random.key(1), _data())
+
+
+def _quantize_shapes(jaxpr, counts=None, inside=None):
+    """{shape of the quantised tensor: count} of the named quantise calls of a jaxpr and its
+    sub-jaxprs; `inside`: only those under an equation of that primitive."""
+    counts = {} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("name") == QUANTIZE_NAME and eqn.invars and inside is None:
+            shape = tuple(eqn.invars[0].aval.shape)
+            counts[shape] = counts.get(shape, 0) + 1
+            continue
+        below = None if inside == eqn.primitive.name else inside
+        for sub in jaxprs_in_params(eqn.params):
+            _quantize_shapes(sub, counts, below)
+    return counts
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def _assert_equal_trees(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
 
 D, H = 64, 128
 

@@ -22,6 +22,10 @@ holding inf or NaN gets a NaN scale, so its whole block dequantises to NaN (OCP:
 scale); for NVFP4 the per-tensor scale is NaN then, so the whole tensor does. An all-zero
 block gets the smallest scale (`2**-127` for MXFP8; 1 for blockwise; its NVFP4 scale is 0)
 and zero elements. A trailing partial block is scaled by the amax of the elements it has.
+Each division by a constant (blockwise's `amax / 448`, NVFP4's `amax / 6`) is correctly
+rounded, as the formulas say (XLA would otherwise multiply by the constant's rounded
+reciprocal, an ulp off for some amaxes). A size-0 input gives empty elements and scales (and
+NVFP4's tensor scale of an all-zero tensor, 1).
 Tiny blocks stay finite where float32 (whose subnormals XLA flushes to zero) cannot hold the
 spec's scale: a blockwise scale is at least float32's smallest normal (amax below ~5e-36),
 NVFP4's tensor scale at most `2**125` (amax below ~6e-35), and MXFP8's `2**-127` dequantises
