@@ -224,11 +224,11 @@ def autocast(
         run = ctx._replace(fp8_kept=kept, fp8_weights=weights, fp8_names=names)
         with region:
             outs, _ = _eval_jaxpr(run, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
-        if names is not None:
-            names.check(ctx.fp8, getattr(fun, "__qualname__", type(fun).__name__))
             outs = [
                 o if keep_wide and _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs
             ]
+        if names is not None:
+            names.check(ctx.fp8, getattr(fun, "__qualname__", type(fun).__name__))
         return jax.tree.unflatten(out_tree[0], outs)
 
     wrapped.policy = pol
