@@ -196,8 +196,8 @@ def test_previous_copies_of_other_shapes_are_refused_naming_the_leaf_and_shapes(
     _assert_equal_trees(kept.copies, copies.copies)
 
 
-def test_fp8_recipe_blocks_are_named_in_the_previous_check():
-    # another recipe's copies: other sites, refused by the existing check first
+def test_previous_copies_of_another_recipe_stay_refused_as_other_weights():
+    # a guard, not new behaviour: another recipe's copies (other sites) are refused as before
     w = {"w": jnp.ones((D, H))}
     mx = mpjax.autocast(lambda p, x: jnp.sum(x @ p["w"]), fp8=_recipe("mxfp8"))
     nv = mpjax.autocast(lambda p, x: jnp.sum(x @ p["w"]), fp8=Fp8Recipe("nvfp4"))
