@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import mpjax
@@ -98,3 +99,42 @@ def test_a_plan_on_the_current_backend_fits_and_report_lists_it():
     assert report.to_dict()["memory_plan"]["choice"]["name"] == small
     with pytest.raises(ValueError, match=f"the smallest is '{small}': {sizes[small]}"):
         mpjax.memory_plan(make_step, *args, budget=1, target=None, ladder=(keep, full))
+
+
+def test_a_zero_roofline_step_prints_without_a_percentage():
+    """A base rung whose roofline is 0 (a step of no flops and no bytes): the table prints its
+    costs in ms and leaves the percentage out (it is undefined), instead of dividing by zero."""
+    rungs = tuple(mpjax.MEMORY_LADDER[:2])
+    candidates = (
+        mpjax.MemoryCandidate(rungs[0].name, 10 * MIB, 0, 0.0),
+        mpjax.MemoryCandidate(rungs[1].name, 5 * MIB, 0, 0.0),
+    )
+    plan = mpjax.MemoryPlan(8 * MIB, "h100", rungs[1], candidates, rungs, make_step)
+    text = str(plan)
+    assert "+0 ms" in text and "%" not in text
+    assert plan.rows()[1][4] == "+0 ms"
+    assert plan.rows()[1][5] == "chosen"
+
+
+@pytest.mark.parametrize("budget", [np.int64(6 * MIB), np.int32(6 * MIB), np.uint64(6 * MIB)])
+def test_a_numpy_integer_budget_is_accepted(budget):
+    plan = _fake_plan(budget)
+    assert plan.choice.name == _fake_plan(6 * MIB).choice.name
+    assert type(plan.budget) is int and plan.budget == 6 * MIB
+
+
+def test_a_numpy_integer_budget_reaches_memory_plan():
+    ladder = mpjax.MEMORY_LADDER[:1]
+    plan = mpjax.memory_plan(
+        make_step, *example_args(), budget=np.int64(2**30), target=None, ladder=ladder
+    )
+    assert plan.budget == 2**30 and type(plan.budget) is int
+
+
+@pytest.mark.parametrize("budget", [np.bool_(True), np.float64(2**30), np.int64(0)])
+def test_a_numpy_non_integer_or_bool_budget_is_refused(budget):
+    def never(rung):
+        raise AssertionError("compiled")
+
+    with pytest.raises(ValueError, match="expected a positive integer number of bytes"):
+        mpjax.memory_plan(never, jnp.ones(2), budget=budget, target=None)

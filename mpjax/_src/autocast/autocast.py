@@ -40,6 +40,7 @@ import numpy as np
 from mpjax._src.autocast.attention import attention_in
 from mpjax._src.autocast.fp8_hook import check_autocast_recipe
 from mpjax._src.autocast.fp8_last import kept_last
+from mpjax._src.autocast.gemm_names import GemmNames, nnx_leaf_names
 from mpjax._src.autocast.interpreter import _eval_jaxpr, _lower, _wide
 from mpjax._src.autocast.op_decisions import AutocastContext
 from mpjax._src.autocast.op_lists import OpLists
@@ -216,12 +217,18 @@ def autocast(
         region = jax.named_scope(REGION_SCOPE) if nested else contextlib.nullcontext()
         lower = functools.partial(_lower, lists)
         kept = frozenset(kept_last(ctx.fp8, closed.jaxpr, lower))
-        run = ctx._replace(fp8_kept=kept, fp8_weights=weights)
+        names = None
+        if ctx.fp8 is not None:
+            paths = nnx_leaf_names(args, kwargs)
+            names = GemmNames({id(leaves[i]): paths[i] for i in dynamic if i in paths})
+        run = ctx._replace(fp8_kept=kept, fp8_weights=weights, fp8_names=names)
         with region:
             outs, _ = _eval_jaxpr(run, closed.jaxpr, closed.consts, dyn_vals, [ARG] * len(dyn_vals))
             outs = [
                 o if keep_wide and _wide(dtype_of(o)) else cast(o, pol.output_dtype) for o in outs
             ]
+        if names is not None:
+            names.check(ctx.fp8, getattr(fun, "__qualname__", type(fun).__name__))
         return jax.tree.unflatten(out_tree[0], outs)
 
     wrapped.policy = pol

@@ -67,6 +67,7 @@ def fp8_lower(
     vals: list,
     lhs_quant: Callable | None = None,
     weights: Any = None,
+    names: Any = None,
 ) -> list | None:
     """The fp8 GEMM for a `dot_general` or 1x1 convolution, or None (compute dtype).
 
@@ -75,6 +76,8 @@ def fp8_lower(
     given, returns a float32 recomputation of the left operand to quantise (or None; see
     `mpjax._src.autocast.fp8_recompute`). `weights`, if given, is a `WeightLookup`: the
     block-quantised copies of the right operand when it is one of the weights it knows.
+    `names`, if given, is a `GemmNames`: the name `exclude` matches (an NNX weight's module
+    path where the name stack has none).
     """
     if eqn.primitive.name not in ("dot_general", "conv_general_dilated") or len(vals) != 2:
         return None
@@ -86,7 +89,9 @@ def fp8_lower(
             return None
         return [fp8_conv_1x1(vals[0], vals[1], eqn.params, recipe, compute)]
     dims = eqn.params["dimension_numbers"]
-    site = Fp8Site(str(eqn.source_info.name_stack), np.shape(vals[0]), np.shape(vals[1]), dims)
+    name = str(eqn.source_info.name_stack)
+    name = name if names is None else names.name(name, vals[1])
+    site = Fp8Site(name, np.shape(vals[0]), np.shape(vals[1]), dims)
     if not fp8_eligible(recipe, site):
         return None
     quant = None if lhs_quant is None else lhs_quant()

@@ -11,6 +11,7 @@ import numpy as np
 from jax.extend.core import jaxprs_in_params
 
 from mpjax._src.autocast.fp8_last import OWN_RULES, kept_last
+from mpjax._src.autocast.gemm_names import nnx_leaf_names
 from mpjax._src.fp8.block_dot import native_block_gemms
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.choose import COMPUTE, choose_gemm_format, recipe_for_format
@@ -24,7 +25,8 @@ class Fp8Op(NamedTuple):
     """One `dot_general` or convolution of a function, and what `autocast(fp8=)` does with it.
 
     Attributes:
-      name: the op's name stack (the Flax module path `exclude` patterns match).
+      name: the op's name stack (the Flax module path `exclude` patterns match); for a GEMM
+        reading a Variable of an NNX module argument, that module's path (`"Model/head"`).
       primitive: `"dot_general"` or `"conv_general_dilated"`.
       lhs_shape: the left operand's (input's) shape.
       rhs_shape: the right operand's (kernel's) shape.
@@ -71,13 +73,16 @@ def _chosen(recipe: Fp8Recipe, site: Fp8Site, compute, operands) -> tuple[str, s
     return "", lowering, choice.reason
 
 
-def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute, kept: dict) -> None:
+def _walk(jaxpr, recipe: Fp8Recipe, found: list, compute, kept: dict, names=None) -> None:
+    names = names or {}  # the top level's NNX weight variables -> their module path
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
         if prim in ("dot_general", "conv_general_dilated"):
             lhs, rhs = (tuple(np.shape(v.aval)) for v in eqn.invars[:2])
             floats = all(jax.numpy.issubdtype(v.aval.dtype, np.floating) for v in eqn.invars)
             name = str(eqn.source_info.name_stack)
+            if prim == "dot_general":
+                name = names.get(eqn.invars[1], name)
             if not floats:
                 reason = "integer operands: not cast"
             elif prim == "dot_general":
@@ -130,5 +135,7 @@ def fp8_ops(
         raise TypeError(f"fp8_ops: recipe must be an mpjax Fp8Recipe, got {type(recipe).__name__}")
     found: list[Fp8Op] = []
     jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
-    _walk(jaxpr, recipe, found, np.dtype(compute_dtype), kept_last(recipe, jaxpr))
+    paths = nnx_leaf_names(args, {})
+    names = {v: paths[i] for i, v in enumerate(jaxpr.invars) if i in paths}
+    _walk(jaxpr, recipe, found, np.dtype(compute_dtype), kept_last(recipe, jaxpr), names)
     return found

@@ -193,7 +193,7 @@ def _first_order(
         fp8_outs = (
             None
             if ctx.fp8 is None or kept
-            else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant, ctx.fp8_weights)
+            else fp8_lower(ctx.fp8, ctx.compute, eqn, vals, requant, ctx.fp8_weights, ctx.fp8_names)
         )
         if fp8_outs is not None:  # an fp8 GEMM (mpjax/fp8); ineligible ops fall through
             return fp8_outs, [LOW] * len(fp8_outs)

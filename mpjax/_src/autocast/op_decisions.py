@@ -104,6 +104,7 @@ class AutocastContext(NamedTuple):
     saved: np.dtype | None = None
     fp8_kept: frozenset = frozenset()
     fp8_weights: Any = None
+    fp8_names: Any = None  # a GemmNames (NNX module paths of the weights), or None
 
 
 def size_of(x: Any) -> int:

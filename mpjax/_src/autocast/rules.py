@@ -271,8 +271,14 @@ def _remat(evaluate, ctx, eqn, vals, origins):
     p = eqn.params
     jaxpr = p["jaxpr"]
 
+    weights = getattr(ctx, "fp8_weights", None)
+
     def body(*args):
-        return evaluate(ctx, jaxpr, (), args, origins)[0]
+        # a weight passed into the body keeps its block-quantised copies (weight_copies)
+        inner = ctx if weights is None else ctx._replace(fp8_weights=weights.passed(vals, args))
+        names = getattr(ctx, "fp8_names", None)  # and its NNX module path
+        inner = inner if names is None else inner._replace(fp8_names=names.passed(vals, args))
+        return evaluate(inner, jaxpr, (), args, origins)[0]
 
     outs = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*vals)
     return list(outs), [STRONG] * len(outs)

@@ -90,3 +90,6 @@ flax.serialization.register_serialization_state(NoMaster, _no_master_state_dict,
 flax.serialization.register_serialization_state(
     Remainder, _remainder_state_dict, _remainder_restore
 )
+
+# block-quantised weight copies (`mpjax.fp8.weight_copies`) in a training state
+from mpjax._src.flax import serialization_fp8 as _serialization_fp8  # noqa: E402, F401

@@ -40,8 +40,8 @@ _U32 = jnp.uint32
 def divide(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     """`a / b` correctly rounded (Triton's `/` is the approximate `div.full.f32` on GPUs)."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, _F32), jnp.asarray(b, _F32))
-    if interpret:
-        return a / b
+    if interpret:  # XLA: a constant or broadcast divisor would become a reciprocal's product
+        return a / lax.optimization_barrier(b)
     [out] = pltriton.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[a, b],

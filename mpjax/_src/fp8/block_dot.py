@@ -313,7 +313,9 @@ def block_scaled_dot_general(
         take them and `rhs` is not quantised here; its gradient still flows to `rhs`.
 
     Returns:
-      The product in `compute_dtype`.
+      The product in `compute_dtype`. An operand with a zero-length axis gives the exact
+      product (zeros where `K` is 0, an empty array where `M` or `N` is) and exact gradients
+      (zeros where the other operand is empty), as `lax.dot_general` does.
 
     Example:
       >>> import jax.numpy as jnp
@@ -343,6 +345,11 @@ def block_scaled_dot_general(
         _check_copies(rhs_copies, rhs, rc)
     _check_native(recipe)
     lhs, rhs = match_varying(lhs, rhs)  # under shard_map(check_vma=True)
+    if 0 in lhs.shape or 0 in rhs.shape:
+        # an empty product: its value (zeros for K=0, or no elements) and gradients (zeros
+        # where the other side is empty) are exact in any precision; there are no blocks
+        dims = ((lc, rc), ((), ()))
+        return lax.dot_general(lhs.astype(compute), rhs.astype(compute), dims)
     native = native_block_gemms(recipe, lhs, rhs)
     impl = "auto" if native else "xla"  # native: the fused quantiser kernel on CUDA GPUs
     nvfp4 = recipe.scaling == "nvfp4"

@@ -22,6 +22,10 @@ holding inf or NaN gets a NaN scale, so its whole block dequantises to NaN (OCP:
 scale); for NVFP4 the per-tensor scale is NaN then, so the whole tensor does. An all-zero
 block gets the smallest scale (`2**-127` for MXFP8; 1 for blockwise; its NVFP4 scale is 0)
 and zero elements. A trailing partial block is scaled by the amax of the elements it has.
+Each division by a constant (blockwise's `amax / 448`, NVFP4's `amax / 6`) is correctly
+rounded, as the formulas say (XLA would otherwise multiply by the constant's rounded
+reciprocal, an ulp off for some amaxes). A size-0 input gives empty elements and scales (and
+NVFP4's tensor scale of an all-zero tensor, 1).
 Tiny blocks stay finite where float32 (whose subnormals XLA flushes to zero) cannot hold the
 spec's scale: a blockwise scale is at least float32's smallest normal (amax below ~5e-36),
 NVFP4's tensor scale at most `2**125` (amax below ~6e-35), and MXFP8's `2**-127` dequantises
@@ -157,6 +161,15 @@ def _reduce_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
     return jnp.max(x.reshape(split), axis=tuple(range(1, 2 * x.ndim, 2)))
 
 
+def divide_by(a: jax.Array, c: float) -> jax.Array:
+    """`a / c` for a constant `c`, correctly rounded: XLA rewrites a division by a constant
+    (or by a broadcast scalar) as a multiplication by its rounded reciprocal, an ulp off
+    `a / c` for some `a` (e.g. blockwise's `amax / 448`). The divisor is a full array behind an
+    optimization barrier, which XLA cannot see as a constant."""
+    a = jnp.asarray(a, _F32)
+    return a / jax.lax.optimization_barrier(jnp.full_like(a, c, dtype=_F32))
+
+
 def _expand_blocks(s: jax.Array, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
     """Each block's value repeated over the block's elements, cut to `shape`."""
     for d, b in enumerate(block):
@@ -201,7 +214,7 @@ def _quantize_blockwise(xf, amax_b, block, power_of_two):
     else:
         # at least the smallest normal: amax / 448 of a block below ~5e-36 would flush to 0
         # (0 / 0 = NaN for its zeros); its elements then span less of e4m3's range
-        scales = jnp.maximum(amax_b / _F32(_E4M3_MAX), _F32(_TINY))
+        scales = jnp.maximum(divide_by(amax_b, _E4M3_MAX), _F32(_TINY))
     scales = jnp.where(amax_b == 0, _F32(1.0), scales)
     scales = jnp.where(bad, jnp.nan, scales).astype(_F32)
     q = xf / _expand_blocks(scales, block, xf.shape)
@@ -256,12 +269,12 @@ def nvfp4_tensor_scale(amax_t: jax.Array) -> jax.Array:
 
 
 def _quantize_nvfp4(xf, amax_b, block, uniform):
-    tensor_scale = nvfp4_tensor_scale(jnp.max(_magnitude(xf)))
+    tensor_scale = nvfp4_tensor_scale(jnp.max(_magnitude(xf), initial=0.0))  # 0: size 0
     # the spec's amax / 6 * t, unless amax / 6 would flush to zero (amax below ~7e-38)
     decode = jnp.where(
         amax_b < _F32(_E2M1_MAX * _TINY),
-        amax_b * (tensor_scale / _F32(_E2M1_MAX)),
-        amax_b / _F32(_E2M1_MAX) * tensor_scale,
+        amax_b * divide_by(tensor_scale, _E2M1_MAX),
+        divide_by(amax_b, _E2M1_MAX) * tensor_scale,
     )
     scales = jnp.minimum(decode, _F32(_E4M3_MAX)).astype(jnp.float8_e4m3fn)
     block_scale = _expand_blocks(scales.astype(_F32), block, xf.shape)

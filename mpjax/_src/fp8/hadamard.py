@@ -34,7 +34,7 @@ def random_hadamard(x: jax.Array, axis: int, seed: int = 0) -> jax.Array:
     x = jnp.moveaxis(x.astype(_F32), axis, -1)
     n = x.shape[-1]
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -n % _RHT)])
-    runs = x.reshape(*x.shape[:-1], -1, _RHT)
+    runs = x.reshape(*x.shape[:-1], x.shape[-1] // _RHT, _RHT)  # -1 fails for size 0
     out = jnp.stack(hadamard_runs([runs[..., r] for r in range(_RHT)], signs), axis=-1)
     return jnp.moveaxis(out.reshape(x.shape), -1, axis)
 

@@ -187,7 +187,11 @@ class Fp8Recipe:
         tensor-core GEMMs require) a `dot_general` needs to run in fp8; smaller GEMMs are
         memory bound, where quantising costs more than it saves.
       exclude: `fnmatch` patterns on an op's name stack (module path, e.g. `"*/head"`,
-        `"*/Dense_0"`); a matching op stays in the compute dtype.
+        `"*/Dense_0"`); a matching op stays in the compute dtype. NNX modules push no name
+        scope: under `mpjax.autocast`, a GEMM reading a Variable of an NNX module passed as
+        an argument is named by that module's path (`"Model/head"`, `"Model/layers/1"`); an
+        `exclude` that matches no GEMM of a call where some GEMM has no name (an NNX model
+        closed over) is refused at the call.
       exclude_if: a predicate on an `Fp8Site`; `True` keeps the op in the compute dtype.
       convs: which convolutions `autocast` runs in fp8. `"none"` (default): every
         convolution keeps the compute dtype. `"1x1"`: a 1x1 convolution (any stride, no

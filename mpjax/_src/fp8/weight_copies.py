@@ -12,9 +12,10 @@ Which GEMMs: a `dot_general` that runs in the recipe's block format and reads a 
 weights argument directly (Flax `Dense`/`DenseGeneral` kernels, `Embed.attend`, `x @ w` in
 plain JAX), also inside a `lax.scan` that closes over it (a scanned micro-batch loop), or
 one layer of a leaf stacked along axis 0 that a `lax.scan` runs over (`nn.scan` layers: the
-copies are made for every layer at once and scanned over beside the weights). A weight
-read through a `jax.jit` boundary, a nested scan over layers, or any op before the GEMM is
-quantised at its GEMM as without copies.
+copies are made for every layer at once and scanned over beside the weights), and inside a
+`jax.checkpoint` / `nn.remat` body (remat'ed layers, also within a scan over layers). A
+weight read through a `jax.jit` boundary, a nested scan over layers, or any op before the
+GEMM is quantised at its GEMM as without copies.
 
 The copies are only as fresh as the weights they were made from: make them again whenever
 the weights change (`refresh=` below, e.g. `MultiStepsState.mini_step == 0`).
@@ -92,6 +93,15 @@ class WeightLookup:
         if site not in self._spec.sites:
             return None
         return self._spec.copies[self._spec.sites.index(site)]
+
+    def passed(self, outer: list, inner: list) -> WeightLookup:
+        """The lookup of a body that receives `outer` as its arguments `inner` (a
+        `jax.checkpoint` / `nn.remat` body): a weight passed in is still the weight there."""
+        ids = dict(self._ids)
+        for o, i in zip(outer, inner, strict=True):
+            if id(o) in self._ids:
+                ids[id(i)] = self._ids[id(o)]
+        return WeightLookup(ids, self._spec, self._layers)
 
     def scanned(self, xs: list) -> tuple[list, Callable[[list, list], WeightLookup]]:
         """For a `lax.scan` over `xs`: the stacked copies to scan over beside them, and
@@ -180,6 +190,31 @@ def _sites(fn: Callable, argnum: int, args: tuple, kwargs: dict) -> tuple:
     return tuple(recorder.sites)
 
 
+def _check_previous(previous: tuple, expected: tuple, sites: tuple, weights: Any) -> None:
+    """Refuses `previous` copies whose arrays differ in shape or dtype from the copies made
+    now (weights of other shapes, or another recipe's dtypes), naming the weight leaf."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(weights)[0]]
+    for site, old, new in zip(sites, previous, expected, strict=True):
+        old_leaves = jax.tree_util.tree_flatten_with_path(old)[0]
+        new_leaves = jax.tree.leaves(new)
+        if len(old_leaves) != len(new_leaves):
+            raise ValueError(
+                f"weight_copies: previous copies of weight {paths[site[0]] or '(the leaf)'} "
+                "have other parts than the copies made now: make them with weight_copies "
+                "from these weights"
+            )
+        for (path, a), b in zip(old_leaves, new_leaves, strict=True):
+            if tuple(np.shape(a)) != tuple(b.shape) or np.dtype(a.dtype) != np.dtype(b.dtype):
+                raise ValueError(
+                    f"weight_copies: previous copies of weight {paths[site[0]] or '(the leaf)'}"
+                    f" ({jax.tree_util.keystr(path)}) are {np.dtype(a.dtype)}"
+                    f"{list(np.shape(a))}, the copies of the weights given now "
+                    f"{np.dtype(b.dtype)}{list(b.shape)}: the weights changed shape since "
+                    "previous was made; make the copies again without previous= (or from "
+                    "weights of the previous shapes)"
+                )
+
+
 def weight_copies(
     fn: Callable,
     *args: Any,
@@ -213,7 +248,9 @@ def weight_copies(
 
     Raises:
       TypeError / ValueError: `fn` not an autocast function, `previous` made for other
-        weights or another function, `previous` without `refresh`.
+        weights or another function, `previous` whose copies differ in shape or dtype from
+        those of the weights given (the message names the weight leaf and both shapes),
+        `previous` without `refresh`.
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax
@@ -258,5 +295,6 @@ def weight_copies(
             "weight_copies: previous copies were made for other weights or another function "
             f"({len(previous.sites)} sites there, {len(sites)} here)"
         )
+    _check_previous(previous.copies, jax.eval_shape(make), sites, args[argnum])
     copies = lax.cond(refresh, make, lambda: previous.copies)
     return WeightCopies(copies, sites, treedef, argnum)

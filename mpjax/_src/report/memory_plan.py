@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from mpjax._src.analysis import hlo_cost
 from mpjax._src.flax.remat_ladder import MEMORY_LADDER, MemoryRung
@@ -78,6 +79,7 @@ class MemoryPlan:
         Raises:
           ValueError: as `memory_plan`: a bad budget, or no rung fits it.
         """
+        budget = _check_budget(budget)
         choice = _choose(self.candidates, self.rungs, budget, self.target)
         return dataclasses.replace(self, budget=budget, choice=choice)
 
@@ -103,7 +105,7 @@ class MemoryPlan:
             cost = c.roofline_s - base.roofline_s
             out.append(
                 [c.rung, _size(c.total_bytes), f"{c.roofline_s * 1e3:.4g} ms", _size(saved)]
-                + [f"{cost * 1e3:+.3g} ms ({100 * cost / base.roofline_s:+.3g} %)", mark]
+                + [f"{cost * 1e3:+.3g} ms{_percent(cost, base.roofline_s)}", mark]
             )
         return out
 
@@ -162,7 +164,8 @@ def memory_plan(
         under `rung.wrap_module(Block)` or `rung.wrap(fn)`, its policy
         `rung.with_policy(policy)`).
       *example_args: the step's arguments (arrays or `jax.ShapeDtypeStruct` values).
-      budget: bytes per device for temporaries plus arguments.
+      budget: bytes per device for temporaries plus arguments: a positive Python or NumPy
+        integer (not a bool, not a float).
       target: `"h100"` (one deviceless H100, needs the gpu-aot extra and
         `JAX_PLATFORMS=cpu`), `"h100x2"`, `"h100x4"` or `"h100x8"` (as `mpjax.report`), or None
         (the current backend; the time is the H100 roofline of its program, a proxy).
@@ -194,7 +197,7 @@ def memory_plan(
     """
     from mpjax._src.report.targets import resolve_target
 
-    _check_budget(budget)
+    budget = _check_budget(budget)
     ladder = tuple(ladder)
     if not ladder or not all(isinstance(r, MemoryRung) for r in ladder):
         raise ValueError(
@@ -207,9 +210,24 @@ def memory_plan(
     return MemoryPlan(budget, resolved.name, choice, candidates, ladder, make_step)
 
 
-def _check_budget(budget: Any) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"memory_plan: budget={budget!r}: expected a positive number of bytes")
+def _percent(cost: float, base: float) -> str:
+    """` (+x %)` of `cost` against `base`; nothing where `base` is zero (a step with a zero
+    roofline: a percentage of it is undefined)."""
+    return f" ({100 * cost / base:+.3g} %)" if base > 0 else ""
+
+
+def _check_budget(budget: Any) -> int:
+    """`budget` as a Python int: any positive integer (Python or NumPy), not a bool."""
+    if (
+        isinstance(budget, (bool, np.bool_))
+        or not isinstance(budget, (int, np.integer))
+        or budget <= 0
+    ):
+        raise ValueError(
+            f"memory_plan: budget={budget!r}: expected a positive integer number of bytes "
+            "(a Python or NumPy integer, e.g. budget=2**30)"
+        )
+    return int(budget)
 
 
 def _choose(candidates, rungs, budget: int, target: str) -> MemoryRung:
