@@ -146,6 +146,7 @@ CASES = (
     *_grid("gpu", "lm", BASE[:-1], ("gpu",)),
     *_grid("gpu", "lm", ("bf16", *FP8_VARIANTS), ("gpu",), sizes=("quick", "wide")),
     *_grid("gpu", "lm", ("fp8-blockwise",), ("gpu",), sizes=("quick", "wide")),
+    *_grid("gpu", "lm", ("fp8-blockwise-emulated",), ("gpu",), sizes=("quick", "wide")),
     # Studies with their own measurement (timings on this host, training runs, a GPU).
     *(Case(t, "study", fn.__name__, target, anchor=None, measure=fn) for t, target, fn in STUDIES),
 )

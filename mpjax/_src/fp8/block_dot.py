@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mpjax._src.core.calibration import gpu_class_of_capability, native_measured_faster
 from mpjax._src.core.sharding import match_varying
 from mpjax._src.fp8.blocks import (
     BLOCK_SCALINGS,
@@ -120,7 +121,12 @@ def native_block_gemms(recipe: Fp8Recipe, *operands: Any) -> bool:
     Hopper and later); `"emulated"` asks for the dequantised form; `"auto"` picks native
     when the GPU the GEMM is traced for (`target_capability(*operands)`: the operands'
     sharding, the mesh in context, else JAX's default device) has compute capability 10 or
-    above (MXFP8, NVFP4) or 8.9 or above (blockwise).
+    above (MXFP8, NVFP4: cuDNN's library GEMMs), and, for blockwise (mpjax's own kernel),
+    only where the calibration table (`mpjax._src.core.calibration`) holds a measurement on
+    that GPU's class saying the native step is faster than the emulated one
+    (`native_measured_faster`). On Hopper the one measurement (an H200, 2026-11-28: the
+    wide LM's step 2.09x the bf16 step natively) says it is not: auto runs blockwise
+    emulated there (dequantised operands into XLA's bf16 GEMMs).
 
     Args:
       recipe: a block-scaled `Fp8Recipe`.
@@ -138,7 +144,10 @@ def native_block_gemms(recipe: Fp8Recipe, *operands: Any) -> bool:
     mode = getattr(recipe, "block_lowering", "auto")
     if mode != "auto":
         return mode == "native"
-    return target_capability(*operands) >= (8.9 if recipe.scaling == "blockwise" else 10)
+    capability = target_capability(*operands)
+    if recipe.scaling == "blockwise":  # mpjax's own kernel: native only where measured faster
+        return native_measured_faster("blockwise", gpu_class_of_capability(capability))
+    return capability >= 10
 
 
 def _gpu_lowering_possible() -> bool:
