@@ -139,7 +139,7 @@ def calibrate(results: dict, cache: Path | None = None) -> dict:
     for cls, rows in by_class.items():
         fitted = fit_efficiencies([(t, s) for t, s, *_ in rows])
         entries = table["entries"].setdefault(cls, {})
-        for kc, eff in fitted.items():
+        for kc, (eff, joint) in fitted.items():
             used = [row for row in rows if row[1].get(kc, 0.0) >= MIN_SHARE * sum(row[1].values())]
             runs_used = {id(row[5]): row[5] for row in used}.values()
             entries[kc] = {
@@ -148,10 +148,15 @@ def calibrate(results: dict, cache: Path | None = None) -> dict:
                 "date": ", ".join(sorted({run["machine"]["date"] for run in runs_used})),
                 "command": "; ".join(run["command"] for run in runs_used),
                 "rows": [row[2]["name"] for row in used],
+                "joint_with": list(joint),
                 "method": (
                     f"fit_efficiencies over the {len(rows)} measured {cls} step rows "
-                    "(their kernels from deviceless H100 compiles, timed at the measuring "
-                    "GPU's peaks)"
+                    "(their kernels timed at the measuring GPU's peaks)"
+                    + (
+                        f"; one efficiency with {', '.join(joint)}: no row tells them apart"
+                        if joint
+                        else ""
+                    )
                 ),
             }
         for _, _, r, _, _, run in rows:

@@ -90,8 +90,9 @@ def test_table_is_the_fit_of_the_measured_rows():
         fitted = fit_efficiencies(rows)
         entries = TABLE["entries"][cls]
         assert set(fitted) == set(entries)
-        for kc, e in fitted.items():
+        for kc, (e, joint) in fitted.items():
             assert entries[kc]["efficiency"] == pytest.approx(e, abs=1e-4)
+            assert entries[kc]["joint_with"] == list(joint)
 
 
 def test_every_entry_names_gpu_command_date_and_rows():
@@ -197,3 +198,15 @@ def test_choose_roofline_h100_never_picks_a_recipe_measured_slower_on_the_wide_l
                 site = Fp8Site("", (m, k), (k, n), dims)
                 choice = choose_gemm_format(recipe, site, jnp.bfloat16)
                 assert choice.format not in slower, (scaling, lowering, (m, k, n), choice)
+
+
+def test_report_names_the_unmeasured_kernels_in_its_summary():
+    from mpjax._src.report.build import Report
+    from mpjax._src.report.records import Memory
+
+    memory = Memory(1, 2, 3, 2e-3, 1e-3, ("pallas kernel",))
+    text = Report("h100", (), (), (), memory).summary()
+    assert "roofline 2 ms (calibrated)" in text
+    assert f"unmeasured kernels (pallas kernel) costed at {UNMEASURED_EFFICIENCY}" in text
+    measured = Report("h100", (), (), (), Memory(1, 2, 3, 2e-3, 1e-3, ())).summary()
+    assert "unmeasured" not in measured

@@ -148,17 +148,40 @@ def calibrated_seconds(report: HloReport, target: str = "h100", table=None) -> C
     return model_seconds(seconds_by_class(report, target), target, table)
 
 
+def _joint_groups(a, classes: list) -> list[list]:
+    """Classes the rows cannot tell apart (a null-space direction of the row matrix `a`
+    touches them all: e.g. two kernels only ever measured in the same step), grouped; every
+    other class alone."""
+    import numpy as np
+
+    _, sv, vt = np.linalg.svd(a)
+    rank = int(np.sum(sv > 1e-9 * sv.max()))
+    null = vt[rank:]
+    groups = [[c] for c in classes]
+    for direction in null:
+        touched = {classes[i] for i in np.flatnonzero(np.abs(direction) > 1e-9)}
+        merged = [c for g in groups if touched & set(g) for c in g]
+        groups = [g for g in groups if not touched & set(g)] + [merged]
+    order = {c: i for i, c in enumerate(classes)}
+    return sorted((sorted(g, key=order.get) for g in groups), key=lambda g: order[g[0]])
+
+
 def fit_efficiencies(
     rows: Sequence[tuple[float, Mapping[str, float]]],
-) -> dict[str, float]:
+) -> dict[str, tuple[float, tuple[str, ...]]]:
     """Efficiencies per class that best explain measured step times (module docstring).
+
+    Classes the rows cannot tell apart (only ever measured together, in a fixed proportion)
+    are fitted as one: they share one efficiency, and each names the others it was fitted
+    with.
 
     Args:
       rows: `(measured seconds, {class: peak seconds on the measuring GPU})` per step.
 
     Returns:
-      `{class: efficiency in (0, 1]}` for the classes the rows identify (those reaching
-      `MIN_SHARE` of some row's peak time); the others are absent (unmeasured).
+      `{class: (efficiency in (0, 1], the classes fitted jointly with it)}` for the classes
+      the rows identify (those reaching `MIN_SHARE` of some row's peak time); the others are
+      absent (unmeasured).
     """
     import numpy as np
     from scipy.optimize import lsq_linear
@@ -173,12 +196,15 @@ def fit_efficiencies(
     if not fitted:
         return {}
     a = np.array([[r.get(c, 0.0) / t for c in fitted] for t, r in rows])
-    fixed = np.array(
-        [
-            sum(s for c, s in r.items() if c not in fitted) / UNMEASURED_EFFICIENCY / t
-            for t, r in rows
-        ]
+    groups = _joint_groups(a, fitted)
+    a = np.array([[sum(r.get(c, 0.0) for c in g) / t for g in groups] for t, r in rows])
+    fixed = [sum(s for c, s in r.items() if c not in fitted) for _, r in rows]
+    b = np.array(
+        [1.0 - f / UNMEASURED_EFFICIENCY / t for f, (t, _) in zip(fixed, rows, strict=True)]
     )
-    b = np.ones(len(rows)) - fixed
     sol = lsq_linear(a, b, bounds=(1.0, np.inf), method="bvls")
-    return {c: float(1.0 / x) for c, x in zip(fitted, sol.x, strict=True)}
+    out = {}
+    for g, x in zip(groups, sol.x, strict=True):
+        for c in g:
+            out[c] = (float(1.0 / x), tuple(o for o in g if o != c))
+    return out

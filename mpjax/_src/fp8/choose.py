@@ -104,14 +104,13 @@ def gemm_mkn(site: Fp8Site) -> tuple[int, int, int]:
     return m, k, n
 
 
-def _gemms(m, k, n, operand_bytes, out_bytes, peak, bw, eff=1.0) -> float:
-    """The three GEMMs (forward, input gradient, weight gradient), each a roofline over the
-    kernel class's calibrated efficiency `eff`."""
+def _gemms(m, k, n, operand_bytes, out_bytes, peak, bw) -> float:
+    """The three GEMMs (forward, input gradient, weight gradient), each a roofline."""
     total = 0.0
     for a, b, out in ((m * k, k * n, m * n), (m * n, k * n, m * k), (m * k, m * n, k * n)):
         moved = operand_bytes * (a + b) + out_bytes * out
         total += max(2 * m * k * n / peak, moved / bw)
-    return total / eff
+    return total
 
 
 # The calibration class (`core.calibration.KERNEL_CLASSES`) of each part's kernels; the
@@ -167,6 +166,11 @@ def gemm_parts(fmt: str, m: int, k: int, n: int, c: int, target: str) -> dict[st
       >>> sorted(gemm_parts("nvfp4", 8192, 768, 3072, 2, "b200"))
       ['amax', 'gemms', 'output cast', 'quantise', 'scale layout']
     """
+    return _calibrated(fmt, _peak_parts(fmt, m, k, n, c, target), c, target)
+
+
+def _peak_parts(fmt: str, m: int, k: int, n: int, c: int, target: str) -> dict[str, float]:
+    """`gemm_parts` at the data-sheet peaks (every kernel at its roofline)."""
     peaks = GPU_PEAKS[target]
     bw, flops = peaks.hbm_bytes_per_s, peaks.tensor_flops
     x, w, g = m * k, k * n, m * n
