@@ -210,3 +210,15 @@ def test_report_names_the_unmeasured_kernels_in_its_summary():
     assert f"unmeasured kernels (pallas kernel) costed at {UNMEASURED_EFFICIENCY}" in text
     measured = Report("h100", (), (), (), Memory(1, 2, 3, 2e-3, 1e-3, ())).summary()
     assert "unmeasured" not in measured
+
+
+def test_unmeasured_efficiency_is_below_every_measured_library_kernel():
+    """Pessimistic: no unmeasured class is credited with more than a measured class of XLA's
+    or a library's (mpjax's Pallas kernels measured lower still)."""
+    library = [
+        e["efficiency"]
+        for entries in TABLE["entries"].values()
+        for kc, e in entries.items()
+        if not kc.startswith("pallas")
+    ]
+    assert library and UNMEASURED_EFFICIENCY < min(library)
