@@ -222,3 +222,15 @@ def test_unmeasured_efficiency_is_below_every_measured_library_kernel():
         if not kc.startswith("pallas")
     ]
     assert library and UNMEASURED_EFFICIENCY < min(library)
+
+
+def test_the_table_ships_with_the_package():
+    import tomllib
+    from fnmatch import fnmatch
+
+    from mpjax._src.core.calibration import TABLE_PATH
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["mpjax._src.core"]
+    assert TABLE_PATH.parent == ROOT / "mpjax" / "_src" / "core"
+    assert any(fnmatch(TABLE_PATH.name, p) for p in patterns)
