@@ -22,6 +22,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from benchmarks import gpu
+from benchmarks.blockwise_gemm_gpu import blockwise_gemm_gpu
 from benchmarks import hlo_studies as hlo
 from benchmarks import timing_studies as timing
 from benchmarks import training_studies as training
@@ -83,6 +84,8 @@ STUDIES = (  # (table, target, measure)
     ("memory-switches-char-lm", "cpu", training.memory_switches_char_lm),
     ("lce-loss", "h100x8", hlo.lce_loss),
     ("kernels-gpu", "gpu", gpu.kernels_gpu),
+    # Issue 45: the blockwise GEMM kernels alone (Mosaic GPU, Triton) against cuBLAS bf16/fp8.
+    ("blockwise-gemm-gpu", "gpu", blockwise_gemm_gpu),
     # Issue 30: the forms of a blockwise fp8 GEMM on Hopper (the Pallas kernel ships).
     ("blockwise-hopper", "h100", hlo.blockwise_hopper_cost),
     ("blocks-convergence", "cpu", training.blocks_convergence),
@@ -146,6 +149,7 @@ CASES = (
     *_grid("gpu", "lm", BASE[:-1], ("gpu",)),
     *_grid("gpu", "lm", ("bf16", *FP8_VARIANTS), ("gpu",), sizes=("quick", "wide")),
     *_grid("gpu", "lm", ("fp8-blockwise",), ("gpu",), sizes=("quick", "wide")),
+    *_grid("gpu", "lm", ("fp8-blockwise-emulated",), ("gpu",), sizes=("quick", "wide")),
     # Studies with their own measurement (timings on this host, training runs, a GPU).
     *(Case(t, "study", fn.__name__, target, anchor=None, measure=fn) for t, target, fn in STUDIES),
 )

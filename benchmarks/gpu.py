@@ -1,15 +1,31 @@
 """Real-GPU step times: mpjax's paths against the hand-written anchor, on the GPU it runs on.
 
-    python benchmarks/gpu.py                   # writes benchmarks/results-gpu.json
-    python benchmarks/gpu.py --budget 420 --json /tmp/gpu.json
+    python benchmarks/gpu.py --dry-run         # the plan and its estimated device time (any host)
+    python benchmarks/gpu.py                   # runs the plan: results-gpu.json, calibration
+    python benchmarks/gpu.py --only gpu/lm/ --json /tmp/gpu.json   # other `gpu` cases
 
-Runs the suite's `gpu` cases (`benchmarks/cases.py`, target `gpu`), most telling first: the
-wide LM's fp8 rows (tensorwise, rowwise, delayed, Flax's fp8 ops, blockwise through mpjax's
-Pallas kernel) against hand-written bf16 with cuDNN attention, GPT-2 small's base rows, the
-Pallas kernels study, then ResNet-50. Each program is timed in rounds alternating with its
-anchor's (ratios paired round by round). Cases not started within `--budget` seconds are
-recorded as skipped with that reason; without a GPU every case is skipped. The docs' `gpu`
-and `kernels-gpu` tables are read from this file (`benchmarks/tables.py`).
+The plan (`PLAN`, most important first) fits `DEVICE_BUDGET_S` (600 s) of device time: the
+wide LM's bf16, tensorwise fp8 and blockwise rows (`fp8-blockwise`: `block_lowering="native"`,
+mpjax's Mosaic GPU blockwise GEMM on Hopper where this JAX has its API, else the Triton one;
+then the emulated lowering), the blockwise GEMM kernels alone at the wide LM's shapes
+(`blockwise-gemm-gpu`, `benchmarks/blockwise_gemm_gpu.py`), GPT-2 small's policy,
+autocast and fp16-scaled steps, ResNet-50's policy and ConvBN steps, then the microbenchmarks
+the calibration reads (`kernels-gpu`: a device copy for the bandwidth, mpjax's Pallas kernels
+against XLA). Each program is timed in rounds alternating with its anchor's (ratios paired
+round by round); each row also records the roofline seconds per kernel class of the program
+it timed (`figures.model_class_s`, read from its optimized HLO) and of its anchor. Cases not
+started within `--budget` seconds are recorded as skipped. JAX's persistent compilation
+cache (`--cache-dir`) keeps compiled programs across runs: an anchor compiles once.
+
+At the end, `benchmarks/calibrate.py` fits the calibration table
+(`mpjax/_src/core/calibration.json`) to the measured rows and writes each row's
+`figures.model_vs_anchor` (the calibrated model's ratio beside the measured one). The docs'
+`gpu` and `kernels-gpu` tables are read from the results file (`benchmarks/tables.py`).
+
+`--dry-run` prints the plan with each case's estimated device seconds: the seconds that case
+took in the results file's last run, else the median of the measured cases of its model and
+size (pessimistic: every program compiled cold), else `UNMEASURED_CASE_S`; plus
+`STARTUP_S` for the process. Without a GPU every case is skipped.
 
 `kernels_gpu` (the `kernels-gpu` case): mpjax's Pallas kernels against XLA and a
 device-to-device copy, and a ResNet-50 train step of `ConvBN` with and without them; without
@@ -20,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import time
@@ -30,7 +47,24 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results-gpu.json"
-ORDER = ("gpu/lm:wide/", "gpu/lm/", "kernels-gpu/", "gpu/resnet/")
+DEFAULT_CACHE = ROOT / ".jax-cache"
+ORDER = ("gpu/lm:wide/", "blockwise-gemm-gpu/", "gpu/lm/", "kernels-gpu/", "gpu/resnet/")
+DEVICE_BUDGET_S = 600.0  # one lent GPU's device time per command
+STARTUP_S = 30.0  # process start, imports, JAX's GPU client
+UNMEASURED_CASE_S = 60.0  # a case of a model and size never measured
+PLAN = (
+    "gpu/lm:wide/bf16@gpu",
+    "gpu/lm:wide/fp8-tensorwise@gpu",
+    "gpu/lm:wide/fp8-blockwise@gpu",
+    "gpu/lm:wide/fp8-blockwise-emulated@gpu",
+    "blockwise-gemm-gpu/study/blockwise_gemm_gpu@gpu",
+    "gpu/lm/policy@gpu",
+    "gpu/lm/autocast@gpu",
+    "gpu/lm/fp16-scaled@gpu",
+    "gpu/resnet/policy@gpu",
+    "gpu/resnet/convbn@gpu",
+    "kernels-gpu/study/kernels_gpu@gpu",
+)
 
 
 def ordered_cases(cases) -> list:
@@ -39,20 +73,85 @@ def ordered_cases(cases) -> list:
     return sorted(gpu, key=lambda c: next(i for i, p in enumerate(ORDER) if c.name.startswith(p)))
 
 
+def plan_cases(cases) -> list:
+    """The cases of `PLAN` that are registered, in its order (a new kernel's row only once
+    its variant exists)."""
+    by_name = {c.name: c for c in cases if c.target == "gpu"}
+    return [by_name[n] for n in PLAN if n in by_name]
+
+
+def estimate_seconds(case, previous: dict) -> tuple[float, str]:
+    """A case's estimated device seconds and what the estimate rests on (module docstring).
+
+    Args:
+      case: a `gpu` case.
+      previous: a results file (`{"records": [...]}`) of an earlier run.
+
+    Returns:
+      `(seconds, basis)`.
+    """
+    records = [r for r in previous.get("records", []) if r.get("status") == "ok"]
+    same = [r for r in records if r["name"] == case.name]
+    if same:
+        return float(same[-1]["seconds"]), "measured"
+    size = case.sizes[1] if case.sizes else None
+    alike = [r["seconds"] for r in records if r["model"] == case.model and r.get("size") == size]
+    if alike:
+        return float(statistics.median(alike)), f"median of {len(alike)} alike"
+    return UNMEASURED_CASE_S, "never measured"
+
+
+def plan(cases, previous: dict) -> tuple[list, float]:
+    """`[(case, seconds, basis)]` for `cases` and the total with `STARTUP_S`."""
+    rows = [(c, *estimate_seconds(c, previous)) for c in cases]
+    return rows, STARTUP_S + sum(s for _, s, _ in rows)
+
+
+def _print_plan(rows, total: float) -> None:
+    print(f"{'case':44s} {'est. s':>7s}  basis")
+    for case, seconds, basis in rows:
+        print(f"{case.name:44s} {seconds:7.1f}  {basis}")
+    print(f"{'startup':44s} {STARTUP_S:7.1f}")
+    fits = "fits" if total <= DEVICE_BUDGET_S else "DOES NOT FIT"
+    print(f"{'estimated device time':44s} {total:7.1f}  ({fits} {DEVICE_BUDGET_S:.0f} s)")
+
+
+def _use_compilation_cache(path: Path) -> None:
+    """JAX's persistent compilation cache at `path`, for every program however quick."""
+    import jax
+
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="the results file")
-    p.add_argument("--budget", type=float, default=3600.0, help="seconds to start cases in")
+    p.add_argument("--budget", type=float, default=DEVICE_BUDGET_S, help="seconds to start in")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds per case")
     p.add_argument("--steps", type=int, default=3, help="steps timed per round")
-    p.add_argument("--only", default="", help="comma-separated name patterns")
+    p.add_argument("--only", default="", help="comma-separated name patterns (else PLAN)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its device time")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="JAX's compile cache")
+    p.add_argument("--table", type=Path, default=None, help="the calibration table to write")
     args = p.parse_args(argv)
 
     from benchmarks import harness
     from benchmarks.cases import CASES, MODELS
     from benchmarks.common import machine_info
 
-    cases = ordered_cases(harness.select(CASES, args.only))
+    if args.only:
+        cases = ordered_cases(harness.select(CASES, args.only))
+    else:
+        cases = plan_cases(CASES)
+    previous = harness.load_results(args.json)
+    rows, total = plan(cases, previous)
+    if args.dry_run:
+        _print_plan(rows, total)
+        return 0
+    _use_compilation_cache(args.cache_dir)
     results = {
         "command": " ".join(["python benchmarks/gpu.py", *(argv or sys.argv[1:])]),
         "machine": machine_info(),
@@ -72,8 +171,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         results["records"].append(record)
         harness.save_results(args.json, results)
+    _calibrate(results, args)
+    harness.save_results(args.json, results)
     _print_table(results["records"])
     return 0
+
+
+def _calibrate(results: dict, args) -> None:
+    """Fits the calibration table to the measured rows and writes it (`calibrate.py`)."""
+    if not any("model_class_s" in (r.get("figures") or {}) for r in results["records"]):
+        print("[calibrate] no measured row: the calibration table is unchanged", flush=True)
+        return
+    from benchmarks.calibrate import calibrate
+    from mpjax._src.core.calibration import TABLE_PATH
+
+    table = calibrate(results)
+    path = args.table or TABLE_PATH
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"[calibrate] wrote {path}", flush=True)
 
 
 def _print_table(records) -> None:
@@ -81,7 +196,9 @@ def _print_table(records) -> None:
         f = r.get("figures") or {}
         if "time_vs_anchor" in f:
             ms = f["time_s"]["median"] * 1e3
-            print(f"{r['name']:40s} {ms:9.2f} ms  x{f['time_vs_anchor']['median']:.3f} vs anchor")
+            model = f.get("model_vs_anchor")
+            model = "" if model is None else f"  model x{model:.3f}"
+            print(f"{r['name']:40s} {ms:9.2f} ms  x{f['time_vs_anchor']['median']:.3f}{model}")
         elif r["status"] != "ok":
             print(f"{r['name']:40s} {r['status']}: {r.get('reason', '').splitlines()[0][:80]}")
 

@@ -277,15 +277,24 @@ def memory_figures(compiled, state) -> dict:
 
 def hlo_figures(hlo_text: str, target: str = "h100") -> dict:
     """Kernels, FLOPs by dtype, converts, bytes and roofline (on the target's GPU: H100 or
-    B200 peaks) of optimized XLA:GPU HLO."""
+    B200 peaks) of optimized XLA:GPU HLO. `roofline_s` is the calibrated model's
+    (`analysis.calibrated`: each kernel class's roofline over its measured efficiency on the
+    GPU's class, `UNMEASURED_EFFICIENCY` for a class never measured there, listed in
+    `unmeasured`); `peak_roofline_s` every kernel at the data-sheet peaks (the model before
+    calibration); `roofline_by_part` is at the peaks too."""
     from mpjax._src.analysis import hlo_cost
+    from mpjax._src.analysis.calibrated import calibrated_seconds
     from mpjax._src.analysis.decomposition import decompose
     from mpjax._src.analysis.peaks import B200, H100, roofline_seconds
 
     r = hlo_cost.analyze(hlo_text)
     peaks = B200 if target == "b200" else H100
+    model = calibrated_seconds(r, "b200" if target == "b200" else "h100")
     return {
-        "roofline_s": roofline_seconds(r, peaks),
+        "roofline_s": model.seconds,  # calibrated: each kernel class over its efficiency
+        "peak_roofline_s": roofline_seconds(r, peaks),  # every kernel at the peaks
+        "roofline_by_class": model.by_class,
+        "unmeasured": list(model.unmeasured),
         "roofline_by_part": decompose(r, peaks),
         "bytes": r.bytes,
         "kernels": len(r.kernels),
@@ -297,6 +306,26 @@ def hlo_figures(hlo_text: str, target: str = "h100") -> dict:
         "converts": r.converts,
         "convert_kernels": r.convert_kernels,
     }
+
+
+def model_figures(compiled, anchor_compiled=None) -> dict:
+    """Roofline seconds per kernel class (`analysis.calibrated`) of a program compiled for
+    the GPU it runs on, and of its anchor, at that GPU's peaks: what the calibration fits
+    (`benchmarks/calibrate.py`). Empty for a GPU the cost model does not know."""
+    import jax
+
+    from benchmarks.calibrate import gpu_of
+    from mpjax._src.analysis.calibrated import seconds_by_class
+    from mpjax._src.analysis.hlo_cost import analyze
+
+    gpu = gpu_of(jax.devices()[0].device_kind)
+    if gpu is None:
+        return {}
+    out = {"model_class_s": {gpu: seconds_by_class(analyze(compiled.as_text()), gpu)}}
+    if anchor_compiled is not None:
+        anchor = seconds_by_class(analyze(anchor_compiled.as_text()), gpu)
+        out["anchor_model_class_s"] = {gpu: anchor}
+    return out
 
 
 def collective_figures(hlo_text: str, mesh_devices) -> dict:
@@ -376,6 +405,9 @@ def measure_program(
         figures["items"] = program.items
         anchor = model.variants.get(case.anchor) if case.anchor else None
         figures.update(time_pair(program, anchor and anchor(cfg), quick, timing))
+        if case.target == "gpu":
+            anchor_compiled = anchor and compile_program(anchor(cfg), "gpu", model.split, {})[1]
+            figures.update(model_figures(compiled, anchor_compiled))
         return figures
     text = compiled.as_text()
     figures.update(hlo_figures(text, case.target))

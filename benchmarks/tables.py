@@ -9,9 +9,10 @@ each of the performance, memory and fp8 pages leads with (`lead_<page>.md`,
 (roofline and temp memory of every mpjax path over the hand-written anchor, per model),
 `memory_per_device.png` (training state per device under 8-way FSDP, per mode) and
 `fp8_recipes.png` (the wide LM's step under each fp8 recipe, measured and on the cost
-models). A table of a registered case is found by its table name; a study's own table is
-written as it returned it, byte counts in MiB/GiB. The docs build regenerates all of them;
-by hand (the figures land in `docs/_generated/`, git-ignored):
+models); `calibration.md`, the calibrated cost model's table
+(`mpjax/_src/core/calibration.json`). A table of a registered case is found by its table
+name; a study's own table is written as it returned it, byte counts in MiB/GiB. The docs
+build regenerates all of them; by hand (the figures land in `docs/_generated/`, git-ignored):
 
     python benchmarks/tables.py benchmarks/results.json docs/_generated benchmarks/results-gpu.json
 
@@ -187,6 +188,32 @@ def with_gpu_records(results: dict, gpu_json: Path | None) -> dict:
     return with_records(results, gpu_json)
 
 
+CALIBRATION = Path(__file__).resolve().parents[1] / "mpjax" / "_src" / "core" / "calibration.json"
+
+
+def calibration_md(path: Path = CALIBRATION) -> str:
+    """The calibration table (`benchmarks/calibrate.py`) as Markdown: each measured kernel
+    class's efficiency per GPU class, and the block lowerings `block_lowering="auto"` reads."""
+    table = json.loads(Path(path).read_text())
+    lines = ["| GPU class | kernel class | efficiency | measured on | date | rows fitted |"]
+    lines.append("|---|---|---|---|---|---|")
+    for cls, entries in table.get("entries", {}).items():
+        for kc, e in sorted(entries.items(), key=lambda kv: kv[1]["efficiency"]):
+            row = [cls, kc, f"{e['efficiency']:.3f}", e["gpu"], e["date"], str(len(e["rows"]))]
+            lines.append("| " + " | ".join(row) + " |")
+    lowered = [
+        f"| {cls} | {scaling} | {lowering} | {m['ratio']:.3f} | {m['gpu']} | {m['date']} |"
+        for cls, recipes in table.get("lowerings", {}).items()
+        for scaling, lowerings in recipes.items()
+        for lowering, m in lowerings.items()
+        if m
+    ]
+    if lowered:
+        lines += ["", "| GPU class | recipe | lowering | step vs bf16 | measured on | date |"]
+        lines += ["|---|---|---|---|---|---|", *lowered]
+    return "\n".join(lines) + "\n"
+
+
 # The short table each page leads with: `lead_<page>.md`.
 LEADS = {"performance": lead_performance, "memory": lead_memory, "fp8": lead_fp8}
 
@@ -199,6 +226,7 @@ def write_docs(results_json: Path, out_dir: Path, *newer: Path | None) -> list[P
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     leads = {f"lead_{name}": fn(results["records"]) for name, fn in LEADS.items()}
+    leads["calibration"] = calibration_md()
     for name, text in {**pages(results), **leads}.items():
         path = out_dir / f"{name}.md"
         if not path.exists() or path.read_text() != text:  # keep mtimes: no needless rebuilds

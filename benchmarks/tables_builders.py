@@ -182,14 +182,23 @@ def memory_tables(records) -> dict[str, str]:
 
 
 def time_table(records):
-    """Step time on this host against the anchor's, timed in alternating rounds."""
+    """Step time on this host against the anchor's, timed in alternating rounds; where the
+    rows carry it (`benchmarks/calibrate.py`), the calibrated model's ratio beside it."""
     rows = []
-    for r, _ in _with_anchor(records):
+    pairs = list(_with_anchor(records))
+    modelled = any("model_vs_anchor" in r["figures"] for r, _ in pairs)
+    for r, _ in pairs:
         f = r["figures"]
         t, ratio = f["time_s"], f["time_vs_anchor"]
         rows.append([MODELS.get(_size(r), _size(r)), named(r["variant"])])
         rows[-1].append(round(f["items"] / t["median"]))
-        rows[-1] += [round(ratio["median"], 3), f"{ratio['min']:.3f}-{ratio['max']:.3f}"]
+        rows[-1].append(round(ratio["median"], 3))
+        if modelled:
+            model = f.get("model_vs_anchor")
+            rows[-1].append("-" if model is None else round(model, 3))
+        rows[-1].append(f"{ratio['min']:.3f}-{ratio['max']:.3f}")
         rows[-1] += [round(t["median"] * 1e3, 2), round(f["bytes"] / 1e9, 3)]
-    cols = ["model", "path", "items/s", "time vs anchor", "min-max", "ms/step", "GB accessed"]
-    return cols[:5], [r[:5] for r in rows], cols, rows
+    cols = ["model", "path", "items/s", "time vs anchor"]
+    cols += ["calibrated model"] * modelled + ["min-max", "ms/step", "GB accessed"]
+    n = 5 + modelled
+    return cols[:n], [r[:n] for r in rows], cols, rows

@@ -134,9 +134,9 @@ def main() -> None:
     args = parser.parse_args()
     out = {f"b200/{s}": step_gemms(B200_TARGET, s) for s in ("mxfp8", "nvfp4")}
     out["h100/blockwise"] = step_gemms(H100_TARGET, "blockwise")
-    # block_lowering="auto" lowered ahead of time for the GPU (issue 35): the native program
-    # there (each placement on one target). Lowered, not compiled: the same StableHLO compiles
-    # to the same program, and every compile here costs CI a minute.
+    # block_lowering="auto" lowered ahead of time for the GPU (issue 35): the program of the
+    # lowering auto picks there (each placement on one target). Lowered, not compiled: the
+    # same StableHLO compiles to the same program, and every compile here costs CI a minute.
     out["b200/mxfp8/auto/mesh"] = lowerings(B200_TARGET, "mxfp8", "mesh")
     out["h100/blockwise/auto/lower_step"] = lowerings(H100_TARGET, "blockwise", "lower_step")
     Path(args.json).write_text(json.dumps(out, indent=1))

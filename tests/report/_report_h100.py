@@ -26,6 +26,7 @@ import jax  # noqa: E402
 
 import mpjax  # noqa: E402
 from mpjax._src.analysis import hlo_cost  # noqa: E402
+from mpjax._src.analysis.calibrated import calibrated_seconds  # noqa: E402
 from mpjax._src.analysis.collectives import collectives  # noqa: E402
 from mpjax._src.report.build import build_report  # noqa: E402
 from mpjax._src.report.targets import place_args, resolve_target  # noqa: E402
@@ -46,7 +47,9 @@ def _rule(compute: str) -> dict:
         "runs": r.flops_by_dtype(runs=True),
         "cost": {"gemm": cost.gemm_flops, "conv": cost.conv_flops},
         "convert_kernels": [sum(c.kernels for c in r.converts), cost.convert_kernels],
-        "roofline": [r.memory.roofline_s, cost.roofline_s],
+        "roofline": [r.memory.roofline_s, calibrated_seconds(cost, "h100").seconds],
+        "peak_roofline": [r.memory.peak_roofline_s, cost.roofline_s],
+        "unmeasured": [list(r.memory.unmeasured), list(calibrated_seconds(cost).unmeasured)],
         "public_equal": public.to_dict() == r.to_dict(),
         "summary": r.summary(),
     }

@@ -70,7 +70,11 @@ def test_to_dict_and_markdown():
     assert d["target"] == "cpu" and d["summary"] == r.summary()
     assert [g["path"] for g in d["gemms"]] == [g.path for g in r.gemms]
     assert {g["lhs_dtype"] for g in d["gemms"] if g["path"] == KEPT} == {"float32"}
-    assert set(d["memory"]) == {"temp_bytes", "argument_bytes", "output_bytes", "roofline_s"}
+    assert set(d["memory"]) == {
+        "temp_bytes", "argument_bytes", "output_bytes", "roofline_s", "peak_roofline_s",
+        "unmeasured",
+    }  # fmt: skip
+    assert d["memory"]["roofline_s"] is None and d["memory"]["unmeasured"] == []  # on a CPU
     md = r.to_markdown()
     assert md.count(f"| {KEPT} | ") == COUNTS[KEPT] + 1  # its GEMMs and its converts row
 

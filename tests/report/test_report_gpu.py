@@ -43,8 +43,12 @@ def test_h100_totals_agree_with_hlo_cost(h100, compute):
     assert r["runs"] == want
     kernels, cost_kernels = r["convert_kernels"]
     assert kernels == cost_kernels
-    roofline, cost_roofline = r["roofline"]
+    roofline, cost_roofline = r["roofline"]  # the calibrated model's
     assert roofline == cost_roofline > 0
+    peak, cost_peak = r["peak_roofline"]  # every kernel at the data-sheet peaks
+    assert peak == pytest.approx(cost_peak, rel=1e-12) and 0 < peak <= roofline
+    unmeasured, cost_unmeasured = r["unmeasured"]
+    assert unmeasured == cost_unmeasured
     assert r["public_equal"]  # mpjax.report(..., target="h100") gives the same report
 
 

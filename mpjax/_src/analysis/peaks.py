@@ -13,7 +13,7 @@ from typing import NamedTuple
 from mpjax._src.analysis.hlo_cost import HBM_BYTES_PER_S, PEAK_FLOPS, PEAK_VECTOR, HloReport
 from mpjax._src.core.gpu_peaks import GPU_PEAKS
 
-__all__ = ["B200", "H100", "Peaks", "roofline_seconds"]
+__all__ = ["B200", "H100", "H200", "PEAKS", "Peaks", "roofline_seconds"]
 
 
 class Peaks(NamedTuple):
@@ -36,6 +36,8 @@ H100 = Peaks("H100 SXM", dict(PEAK_FLOPS), PEAK_VECTOR, HBM_BYTES_PER_S)
 # The B200's dense data-sheet peaks (`core.gpu_peaks`, shared with the fp8 layer's per-GEMM
 # choice) by HLO operand dtype; block-scaled GEMMs are keyed by their element dtype
 # (MXFP8: f8e4m3fn, NVFP4: f4e2m1fn). TF32 1.1 PFLOP/s, float64 40 TFLOP/s, vector 80.
+# The H200: the H100's tensor and vector peaks, HBM3e at 4.8 TB/s.
+H200 = H100._replace(name=GPU_PEAKS["h200"].name, hbm_bytes_per_s=GPU_PEAKS["h200"].hbm_bytes_per_s)
 _B200 = GPU_PEAKS["b200"]
 B200 = Peaks(
     _B200.name,
@@ -51,6 +53,8 @@ B200 = Peaks(
     80e12,
     _B200.hbm_bytes_per_s,
 )
+
+PEAKS = {"h100": H100, "h200": H200, "b200": B200}  # by cost-model target
 
 
 def roofline_seconds(report: HloReport, peaks: Peaks = H100) -> float:

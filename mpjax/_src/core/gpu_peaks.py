@@ -1,4 +1,4 @@
-"""Data-sheet dense peaks of the GPUs mpjax plans for (H100 SXM, B200), by operand format.
+"""Data-sheet dense peaks of the GPUs mpjax plans for (H100 SXM, H200, B200), by operand format.
 
 The lowest layer holds them so that the fp8 layer (choosing a GEMM's format) and the
 analysis layer (timing compiled programs) can share one set of numbers.
@@ -32,6 +32,8 @@ GPU_PEAKS = {
     # H100 SXM: bf16 989 TFLOP/s, fp8 1979, HBM3 3.35 TB/s; no block-scaled tensor cores
     # (blockwise: fp8 GEMMs promoted per K block, mpjax's Pallas kernel).
     "h100": GpuPeaks("H100 SXM", {"bf16": 989e12, "fp8": 1979e12}, 3.35e12, ("blockwise",)),
+    # H200: the H100's chip (same tensor-core peaks) with HBM3e at 4.8 TB/s.
+    "h200": GpuPeaks("H200", {"bf16": 989e12, "fp8": 1979e12}, 4.8e12, ("blockwise",)),
     # B200: bf16 2.25 PFLOP/s, fp8 4.5, fp4 9.0, HBM3e 8 TB/s; MXFP8 and NVFP4 natively.
     "b200": GpuPeaks(
         "B200",

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mpjax._src.core.calibration import gpu_class_of_capability, native_measured_faster
 from mpjax._src.core.sharding import match_varying
 from mpjax._src.fp8.blocks import (
     BLOCK_SCALINGS,
@@ -117,11 +118,16 @@ def native_block_gemms(recipe: Fp8Recipe, *operands: Any) -> bool:
     `recipe.block_lowering="native"` asks for them: for MXFP8 and NVFP4 cuDNN block-scaled
     GEMMs through `jax.nn.scaled_matmul` (Blackwell), for blockwise fp8 tensor-core GEMMs
     promoted per 128-wide K block (`mpjax._src.kernels.blockwise_gemm`: the Pallas Mosaic
-    GPU kernel, Hopper, where this JAX has its API, else the Pallas Triton kernel; `"auto"`
-    choosing native runs the Triton kernel); `"emulated"` asks for the dequantised form;
-    `"auto"` picks native when the GPU the GEMM is traced for (`target_capability(*operands)`:
-    the operands' sharding, the mesh in context, else JAX's default device) has compute
-    capability 10 or above (MXFP8, NVFP4) or 8.9 or above (blockwise).
+    GPU kernel on Hopper where this JAX has its API, else the Pallas Triton kernel);
+    `"emulated"` asks for the dequantised form; `"auto"` picks native when the GPU the GEMM
+    is traced for (`target_capability(*operands)`: the operands' sharding, the mesh in
+    context, else JAX's default device) has compute capability 10 or above (MXFP8, NVFP4:
+    cuDNN's library GEMMs), and, for blockwise (mpjax's own kernel), only where the
+    calibration table (`mpjax._src.core.calibration`) holds a measurement on that GPU's class
+    saying the native step is faster than the emulated one (`native_measured_faster`). On
+    Hopper the one measurement (an H200, 2026-11-28: the wide LM's step 2.09x the bf16 step
+    with the Triton kernel) says it is not: auto runs blockwise emulated there (dequantised
+    operands into XLA's bf16 GEMMs) until the Mosaic GPU kernel is measured faster.
 
     Args:
       recipe: a block-scaled `Fp8Recipe`.
@@ -139,7 +145,10 @@ def native_block_gemms(recipe: Fp8Recipe, *operands: Any) -> bool:
     mode = getattr(recipe, "block_lowering", "auto")
     if mode != "auto":
         return mode == "native"
-    return target_capability(*operands) >= (8.9 if recipe.scaling == "blockwise" else 10)
+    capability = target_capability(*operands)
+    if recipe.scaling == "blockwise":  # mpjax's own kernel: native only where measured faster
+        return native_measured_faster("blockwise", gpu_class_of_capability(capability))
+    return capability >= 10
 
 
 def _gpu_lowering_possible() -> bool:

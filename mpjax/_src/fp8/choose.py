@@ -3,8 +3,10 @@
 For a GEMM `[M, K] x [K, N]` trained with its two backward GEMMs, each candidate format is
 timed as the kernels its compiled program launches, each as the cost model
 (`mpjax._src.analysis.hlo_cost`) times a kernel: a GEMM `max(2MKN / peak, bytes / bandwidth)`,
-any other kernel `bytes / bandwidth` (no launch latency, no efficiency below the peaks),
-with the target's data-sheet peaks (`mpjax._src.core.gpu_peaks`). `c` is the compute dtype's
+any other kernel `bytes / bandwidth` (no launch latency), with the target's data-sheet
+peaks (`mpjax._src.core.gpu_peaks`), each part then divided by its kernel class's measured
+efficiency on the target's GPU class (`mpjax._src.core.calibration`: the calibrated model;
+a class never measured there costs `UNMEASURED_EFFICIENCY` of its peak). `c` is the compute dtype's
 size; the tensors are `x` (`MK` elements), `w` (`KN`) and `g` (`MN`), the outputs the
 forward's `MN`, the input gradient's `MK` and the weight gradient's `KN` elements
 (`O = MN + MK + KN`); `S = MK + KN + MN`. Bytes counted per part (`GemmChoice.parts`):
@@ -35,7 +37,9 @@ fused into the producer of `x` or `g`, a producer fused into a compute-dtype GEM
 float32 producer the quantiser reads), and layout copies of the gradients.
 
 A block format is a candidate only where the target multiplies it natively (`"b200"`:
-MXFP8, NVFP4, blockwise; `"h100"`: blockwise), else tensorwise fp8 stands in. The fastest
+MXFP8, NVFP4; blockwise, mpjax's own kernel, only with `block_lowering="native"` or where
+the calibration table measured it faster, which no GPU class has: `native_block_gemms`),
+else tensorwise fp8 stands in. The fastest
 candidate wins; the compute dtype is kept unless a format is strictly faster, and the
 recipe's own format beats tensorwise on a tie.
 """
@@ -48,6 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mpjax._src.core.calibration import efficiency, gpu_class, native_measured_faster
 from mpjax._src.core.gpu_peaks import GPU_PEAKS
 from mpjax._src.fp8.blocks import BLOCK_SCALINGS
 from mpjax._src.fp8.layouts import free_axes
@@ -108,8 +113,43 @@ def _gemms(m, k, n, operand_bytes, out_bytes, peak, bw) -> float:
     return total
 
 
+# The calibration class (`core.calibration.KERNEL_CLASSES`) of each part's kernels; the
+# GEMMs by format (`_GEMM_CLASS`), the other parts XLA's bandwidth-bound fusions.
+_GEMM_CLASS = {
+    "tensorwise": "fp8 gemm",
+    "rowwise": "fp8 gemm",
+    "blockwise": "pallas blockwise gemm",
+    "mxfp8": "block-scaled gemm",
+    "nvfp4": "block-scaled gemm",
+}
+
+
+def _eff(target: str, kernel_class: str) -> float:
+    return efficiency(target, kernel_class).value
+
+
+def _calibrated(fmt: str, parts: dict, c: int, target: str) -> dict:
+    """`parts` (timed at the peaks) over each part's calibrated efficiency on `target`."""
+    out = {}
+    for part, seconds in parts.items():
+        if part == "gemms":
+            cls = _GEMM_CLASS.get(fmt, "f32 gemm" if c >= 4 else "bf16 gemm")
+        elif part == "quantise" and fmt == "blockwise":
+            cls = "pallas block quantise"
+        else:
+            cls = "fusion"
+        out[part] = seconds / _eff(target, cls)
+    return out
+
+
 def gemm_parts(fmt: str, m: int, k: int, n: int, c: int, target: str) -> dict[str, float]:
-    """The modelled seconds of one GEMM trained in `fmt` on `target`, by part.
+    """The calibrated seconds of one GEMM trained in `fmt` on `target`, by part.
+
+    Each part's roofline (below) is divided by its kernel class's measured efficiency on
+    `target`'s GPU class (`core.calibration`; a class never measured there at
+    `UNMEASURED_EFFICIENCY`): the GEMMs by format (XLA's bf16 or fp8 GEMMs, mpjax's Pallas
+    blockwise GEMM, cuDNN's block-scaled GEMMs), blockwise's quantiser as mpjax's Pallas
+    quantiser, every other part as XLA's bandwidth-bound fusions.
 
     Args:
       fmt: `"compute"`, `"tensorwise"`, `"rowwise"` or a block format of `_BLOCK`.
@@ -126,6 +166,11 @@ def gemm_parts(fmt: str, m: int, k: int, n: int, c: int, target: str) -> dict[st
       >>> sorted(gemm_parts("nvfp4", 8192, 768, 3072, 2, "b200"))
       ['amax', 'gemms', 'output cast', 'quantise', 'scale layout']
     """
+    return _calibrated(fmt, _peak_parts(fmt, m, k, n, c, target), c, target)
+
+
+def _peak_parts(fmt: str, m: int, k: int, n: int, c: int, target: str) -> dict[str, float]:
+    """`gemm_parts` at the data-sheet peaks (every kernel at its roofline)."""
     peaks = GPU_PEAKS[target]
     bw, flops = peaks.hbm_bytes_per_s, peaks.tensor_flops
     x, w, g = m * k, k * n, m * n
@@ -189,6 +234,9 @@ def choose_gemm_format(recipe: Fp8Recipe, site: Fp8Site, compute_dtype) -> GemmC
     c = np.dtype(compute_dtype).itemsize
     own = recipe.scaling
     native = own not in _BLOCK or own in GPU_PEAKS[target].block_formats
+    if own == "blockwise" and recipe.block_lowering != "native":  # mpjax's own kernel
+        # runs natively under "auto" only where measured faster (`native_block_gemms`)
+        native = recipe.block_lowering == "auto" and native_measured_faster(own, gpu_class(target))
     candidates = [COMPUTE] + ([own] if native else [])
     if own in _BLOCK:
         candidates.append("tensorwise")

@@ -213,8 +213,10 @@ class Fp8Recipe:
         block on Hopper, or its Pallas Triton kernel on a JAX without the Mosaic GPU API
         it uses), `"emulated"` (operands dequantised to the compute dtype: the format's
         numbers on any device) or `"auto"` (native on a GPU of compute capability 10 or
-        above, for MXFP8 and NVFP4; 8.9 or above for blockwise, through the Triton kernel).
-        Ignored by the other scalings.
+        above, for MXFP8 and NVFP4; blockwise, mpjax's own Pallas GEMM, natively only on a
+        GPU class where a measurement in the calibration table says it is faster, which on
+        Hopper none does yet: emulated there, see the fp8 guide). Ignored by the other
+        scalings.
       high_precision_last: how many of the program's last eligible GEMMs (those left after
         `min_dim`, `exclude` and `exclude_if`; before `choose`) keep the compute dtype
         (forward and both gradients), counted in the order they run in the forward program:

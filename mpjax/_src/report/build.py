@@ -10,6 +10,7 @@ import jax
 
 from mpjax._src.analysis import collectives as hlo_collectives
 from mpjax._src.analysis import hlo_cost
+from mpjax._src.analysis.calibrated import calibrated_seconds
 from mpjax._src.autocast.fp8_last import KEPT_SCOPE
 from mpjax._src.report import format as fmt
 from mpjax._src.report.paths import library_last, split_op_name
@@ -202,7 +203,9 @@ def build_report(lowered, compiled, target: str, gpu: bool) -> Report:
       lowered: `jax.jit(fn).trace(...).lower()`.
       compiled: `lowered.compile()`.
       target: the target's name, for display.
-      gpu: whether to add the H100 roofline estimate.
+      gpu: whether to add the H100 time estimate (the calibrated roofline,
+        `analysis.calibrated`; kernel classes never measured on Hopper are named in
+        `memory.unmeasured`).
 
     Returns:
       A `Report`.
@@ -215,6 +218,7 @@ def build_report(lowered, compiled, target: str, gpu: bool) -> Report:
         Collective(_path(c.op_name), c.op, as_dtype(c.dtype), c.bytes)
         for c in hlo_collectives.collectives(text)
     )
+    model = calibrated_seconds(optimized, "h100") if gpu else None
     return Report(
         target=target,
         gemms=_gemms(lowered_text, optimized),
@@ -224,7 +228,9 @@ def build_report(lowered, compiled, target: str, gpu: bool) -> Report:
             int(memory.temp_size_in_bytes),
             int(memory.argument_size_in_bytes),
             int(memory.output_size_in_bytes),
-            optimized.roofline_s if gpu else None,
+            model and model.seconds,
+            model and model.peak_seconds,
+            model.unmeasured if model else (),
         ),
     )
 

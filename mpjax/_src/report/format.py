@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from mpjax._src.core.calibration import UNMEASURED_EFFICIENCY
+
 __all__ = ["convert_totals", "cpu_note", "human", "markdown", "summary", "text"]
 
 _UNITS = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
@@ -56,7 +58,12 @@ def summary(report) -> str:
         by_op[(c.op, c.dtype.name)] += c.bytes
     parts += [f"{op} {dtype} {human(b, 'B')}" for (op, dtype), b in by_op.items()]
     if report.memory.roofline_s is not None:
-        parts.append(f"roofline {report.memory.roofline_s * 1e3:.3g} ms")
+        parts.append(f"roofline {report.memory.roofline_s * 1e3:.3g} ms (calibrated)")
+    if report.memory.unmeasured:
+        parts.append(
+            f"unmeasured kernels ({', '.join(report.memory.unmeasured)}) costed at "
+            f"{UNMEASURED_EFFICIENCY} of their peak"
+        )
     if report.memory_plan is not None:
         parts.append(f"{report.memory_plan.summary()}")
     return "; ".join(parts)

@@ -4,8 +4,9 @@ Each rung of the ladder (`mpjax/_src/flax/remat_ladder.py`) is one program: `mak
 compiled for the target (a deviceless H100 for `"h100"`; the current backend for None) on
 the example arguments, read for XLA's per-device temporaries plus arguments
 (`compiled.memory_analysis()`) and for its roofline time (`mpjax/_src/analysis/hlo_cost.py`
-at H100 peaks; on a CPU target that is the H100 roofline of the CPU program, a proxy). The
-plan is the least roofline time among the rungs within the budget.
+at H100 peaks, calibrated by `mpjax/_src/analysis/calibrated.py`: each kernel class over its
+measured efficiency on Hopper; on a CPU target that is the H100 roofline of the CPU program,
+a proxy). The plan is the least roofline time among the rungs within the budget.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 
 from mpjax._src.analysis import hlo_cost
+from mpjax._src.analysis.calibrated import calibrated_seconds
 from mpjax._src.flax.remat_ladder import MEMORY_LADDER, MemoryRung
 
 __all__ = ["MemoryCandidate", "MemoryPlan", "memory_plan"]
@@ -141,7 +143,7 @@ def _measure(make_step, rung, args, target, donate_argnums) -> MemoryCandidate:
         rung.name,
         int(memory.temp_size_in_bytes),
         int(memory.argument_size_in_bytes),
-        hlo_cost.analyze(compiled.as_text()).roofline_s,
+        calibrated_seconds(hlo_cost.analyze(compiled.as_text()), "h100").seconds,
     )
 
 

@@ -84,7 +84,12 @@ class Memory:
     temp_bytes: int
     argument_bytes: int
     output_bytes: int
-    roofline_s: float | None  # H100 roofline of `mpjax._src.analysis.hlo_cost`; None on CPU
+    # The calibrated H100 time (`mpjax._src.analysis.calibrated`: each kernel's roofline over
+    # its class's measured efficiency); None on CPU
+    roofline_s: float | None
+    peak_roofline_s: float | None = None  # every kernel at the data-sheet peaks
+    # kernel classes the step runs that no GPU measured (costed at UNMEASURED_EFFICIENCY)
+    unmeasured: tuple = ()
 
 
 def dtype_name(dtype) -> str:
