@@ -22,10 +22,10 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from benchmarks import gpu
-from benchmarks.blockwise_gemm_gpu import blockwise_gemm_gpu
 from benchmarks import hlo_studies as hlo
 from benchmarks import timing_studies as timing
 from benchmarks import training_studies as training
+from benchmarks.blockwise_gemm_gpu import blockwise_gemm_gpu
 from benchmarks.fp8_variants import (
     BLOCK_VARIANTS,
     FP8_CONV_VARIANTS,
