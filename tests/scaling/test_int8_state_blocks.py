@@ -21,10 +21,10 @@ import mpjax
 from mpjax._src.analysis.collectives import collectives
 from mpjax._src.scaling.blockwise8 import (
     Blockwise8,
-    dequantize,
-    quantize,
     default_pieces,
+    dequantize,
     geometry,
+    quantize,
     scales_shape,
 )
 
