@@ -15,21 +15,23 @@ from pathlib import Path
 from benchmarks.names import GIB, named, words
 
 
-def _find(records: list[dict], table: str, variant: str, size=None, target=None) -> dict | None:
-    """The ok record of `table` for `variant` of `size` (None: the model's default size),
-    on `target` where given."""
+def _find(records: list[dict], table: str, model: str, variant: str, size=None, target=None):
+    """The ok record of `table` for `model`'s `variant` of `size` (None: the model's default
+    size), on `target` where given; None if the run has none. Every lookup names its model:
+    the cost and real-GPU tables hold GPT-2 small and ResNet-50 rows of the same variants."""
     for r in records:
-        if r["table"] != table or r["variant"] != variant or r["status"] != "ok":
+        if r["table"] != table or r["model"] != model or r["variant"] != variant:
             continue
-        if r.get("size") == size and (target is None or r["target"] == target):
+        if r["status"] == "ok" and r.get("size") == size and target in (None, r["target"]):
             return r
     return None
 
 
-def _x(records, table, variant, key, size=None, target=None) -> str:
-    """`variant`'s `key` over its anchor's, as `0.78x`; `-` where either is missing."""
-    r = _find(records, table, variant, size, target)
-    a = r and _find(records, table, r["anchor"], r.get("size"), r["target"])
+def _x(records, table, model, variant, key, size=None, target=None) -> str:
+    """`variant`'s `key` over its anchor's (same table, model, size and target), as `0.78x`;
+    `-` where either is missing."""
+    r = _find(records, table, model, variant, size, target)
+    a = r and _find(records, table, model, r["anchor"], r.get("size"), r["target"])
     if not (r and a and a["figures"].get(key)):
         return "-"
     if r["variant"] == r["anchor"]:
@@ -37,16 +39,16 @@ def _x(records, table, variant, key, size=None, target=None) -> str:
     return f"{r['figures'][key] / a['figures'][key]:.2f}x"
 
 
-def _measured(records, variant, size=None) -> str:
+def _measured(records, model, variant, size=None) -> str:
     """The real-GPU step time over the anchor's (median of alternating rounds), as `0.78x`."""
-    r = _find(records, "gpu", variant, size)
+    r = _find(records, "gpu", model, variant, size)
     if r and r["variant"] == r["anchor"]:
         return "1 (anchor)"
     return f"{r['figures']['time_vs_anchor']['median']:.2f}x" if r else "-"
 
 
-def _gib(records, table, variant, keys, size=None, target=None) -> str:
-    r = _find(records, table, variant, size, target)
+def _gib(records, table, model, variant, keys, size=None, target=None) -> str:
+    r = _find(records, table, model, variant, size, target)
     return f"{sum(r['figures'][k] for k in keys) / GIB:.2f} GiB" if r else "-"
 
 
@@ -56,6 +58,7 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
 
 
 # The GPT-2-small paths a user picks between (cost and fp8 tables; real GPU; 8 GPUs).
+PERFORMANCE_MODEL = "lm"  # GPT-2 small: the model of every cell of the performance lead
 PERFORMANCE_ROWS = (
     ("bf16", "cost"), ("fp32", "cost"), ("policy", "cost"), ("policy-rules", "cost"),
     ("autocast", "cost"), ("fp16-scaled", "cost"), ("policy-lce", "cost"),
@@ -66,22 +69,16 @@ PERFORMANCE_ROWS = (
 def lead_performance(records: list[dict]) -> str:
     """GPT-2 small, each path: measured step time on a real GPU, the H100 cost model's
     roofline, temp memory of one step, memory per GPU under 8-GPU FSDP."""
-    rows = []
+    rows, lm = [], PERFORMANCE_MODEL
     for variant, table in PERFORMANCE_ROWS:
+        fsdp = ("temp_bytes", "argument_bytes")
         rows.append(
             [
                 named(variant),
-                _measured(records, variant),
-                _x(records, table, variant, "roofline_s"),
-                _gib(records, table, variant, ("temp_bytes",)),
-                _gib(
-                    records,
-                    "multi-gpu",
-                    variant,
-                    ("temp_bytes", "argument_bytes"),
-                    "gpt2x8",
-                    "h100x8",
-                ),
+                _measured(records, lm, variant),
+                _x(records, table, lm, variant, "roofline_s", target="h100"),
+                _gib(records, table, lm, variant, ("temp_bytes",), target="h100"),
+                _gib(records, "multi-gpu", lm, variant, fsdp, "gpt2x8", "h100x8"),
             ]
         )
     cols = ["GPT-2 small, path", "step time, real GPU", "H100 cost model (roofline)"]
@@ -149,7 +146,7 @@ FP8_ROWS = (
 
 def _roofline_wide(records, variant, target) -> str:
     for table in ("blocks", "fp8"):
-        got = _x(records, table, variant, "roofline_s", "wide", target)
+        got = _x(records, table, "lm", variant, "roofline_s", "wide", target)
         if got != "-":
             return got
     return "-"
@@ -179,7 +176,7 @@ def lead_fp8(records: list[dict]) -> str:
         rows.append(
             [
                 named(variant),
-                _measured(records, variant, "wide"),
+                _measured(records, "lm", variant, "wide"),
                 _roofline_wide(records, variant, "h100"),
                 _roofline_wide(records, variant, "b200"),
                 _fp8_bits(records, recipe),
@@ -204,7 +201,7 @@ def plot_fp8(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     series = (
-        ("real H200 (measured)", lambda v: _measured(records, v, "wide"), "#55a868"),
+        ("real H200 (measured)", lambda v: _measured(records, "lm", v, "wide"), "#55a868"),
         ("H100 cost model", lambda v: _roofline_wide(records, v, "h100"), "#4c72b0"),
         ("B200 cost model", lambda v: _roofline_wide(records, v, "b200"), "#dd8452"),
     )

@@ -80,8 +80,10 @@ def plot_memory(records: list[dict], path: Path) -> None:
         ax.text(p + q, y, f" {p + q:.3g} {name} ({per:.0f} B/param)", va="center", fontsize=8)
     ax.invert_yaxis()
     n = rows[0]["figures"]["params"] / 1e6 if rows else 0
-    ax.set_xlabel(f"{name} per device: the state of a {n:.0f} M-param LM split 8 ways (FSDP)")
-    ax.set_xlim(0, 1.4 * max((p + q for p, q in zip(params, rest, strict=True)), default=1))
+    # two lines: one is wider than the axes beside the long row names, and was cut
+    ax.set_xlabel(f"{name} per device\n(the state of a {n:.0f} M-param LM split 8 ways, FSDP)")
+    # room right of the longest bar for its label
+    ax.set_xlim(0, 1.6 * max((p + q for p, q in zip(params, rest, strict=True)), default=1))
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=200)

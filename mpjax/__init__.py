@@ -11,6 +11,7 @@ from mpjax._src.flax.remat_ladder import MEMORY_LADDER, MemoryRung
 from mpjax._src.report.build import report
 from mpjax._src.report.memory_plan import MemoryCandidate, MemoryPlan, memory_plan
 from mpjax._src.report.numerics import numerics
+from mpjax._version import __version__ as __version__  # re-exported
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inference import FoldReport, InferenceModel, convert_for_inference
 from mpjax.policy import (
@@ -55,8 +56,6 @@ from mpjax.scaling import (
     with_loss_scale,
     with_master_weights,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConditionalFP32",

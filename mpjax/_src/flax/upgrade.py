@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import flax.serialization
+from mpjax._src.flax.upgrade_checks import (
+    check_codes,
+    check_dtypes,
+    check_layout_version,
+    check_like_template,
+    place_like,
+    version_leaf,
+)
 from mpjax._src.scaling.blockwise8 import (
     Blockwise8,
     dequantize,
@@ -22,7 +29,6 @@ from mpjax._src.scaling.blockwise8 import (
     scales_shape,
     stored_block_length,
 )
-from mpjax._src.scaling.loss_scaled import STATE_LAYOUT_VERSION
 from mpjax._src.scaling.master_check import master_kind
 
 __all__ = ["upgrade_state"]
@@ -60,8 +66,10 @@ def _kind(x: Any) -> str:
 def _mode_error(path: tuple[str, ...], raw: Any, tgt: Any) -> ValueError:
     return ValueError(
         f"upgrade_state: the checkpoint's {_name(path)} holds {_kind(raw)}, but the template "
-        f"holds {_kind(tgt)}: the checkpoint was written with another master_weights mode. "
-        "Upgrade it with a template built with the checkpoint's mode "
+        f"holds {_kind(tgt)}: the checkpoint was written with another master_weights mode, "
+        "or for params of another dtype (under 'auto' and 'remainder' only params narrower "
+        "than float32 keep a master, and only bfloat16 ones a remainder). Upgrade it with a "
+        "template built with the checkpoint's mode and params' dtypes "
         "(mpjax.loss_scaled(..., master_weights=<that mode>).init(params)), then convert with "
         "mpjax.with_master_weights(opt_state, params, <this mode>) (exact)."
     )
@@ -143,13 +151,9 @@ def _upgrade(
                 "optimizer; build the template with the optimizer that wrote it"
             )
         if set(tgt) == {"codes", "scales"} and set(raw) == {"codes", "scales"}:
+            check_codes(raw, tgt, path)
             return _blockwise8(raw, tgt, path, block_size, old)
-        version = raw.get("layout_version", 0 if "layout_version" in tgt else None)
-        if version is not None and int(np.asarray(version)) > STATE_LAYOUT_VERSION:
-            raise ValueError(
-                f"upgrade_state: {_name(path)} has state layout version {int(version)}, newer "
-                f"than this mpjax reads ({STATE_LAYOUT_VERSION}): upgrade mpjax"
-            )
+        version = check_layout_version(raw, tgt, path)
         missing = sorted(set(tgt) - set(raw) - {"layout_version"})
         extra = sorted(set(raw) - set(tgt))
         if missing or extra:
@@ -160,7 +164,7 @@ def _upgrade(
             )
         state = _LOSS_SCALED_KEYS <= set(tgt)  # a LossScaledState: its master is a master tree
         if state:
-            old = version is None or int(np.asarray(version)) < INT8_SHAPE_LAYOUT
+            old = version is None or version < INT8_SHAPE_LAYOUT
         out = {
             k: _upgrade(
                 raw[k],
@@ -171,10 +175,10 @@ def _upgrade(
                 old,
             )
             for k in tgt
-            if k in raw
+            if k in raw and k != "layout_version"
         }
         if "layout_version" in tgt:
-            out["layout_version"] = tgt["layout_version"]
+            out["layout_version"] = version_leaf(tgt["layout_version"])
         return out
     if in_master and (isinstance(raw, dict) or getattr(raw, "dtype", None) != tgt.dtype):
         raise _mode_error(path, raw, tgt)
@@ -217,16 +221,23 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int | None = None
         `{"params": ..., "opt_state": ...}`), as restored without a target, or restored
         into a target.
       template: the same tree as built today (e.g. `{"params": params, "opt_state":
-        tx.init(params)}`), with the checkpoint's optimizer and `master_weights` mode.
+        tx.init(params)}`), with the checkpoint's optimizer, `master_weights` mode and
+        dtypes (nothing is cast), or its abstract form (`jax.eval_shape(tx.init, params)`,
+        `jax.ShapeDtypeStruct`s with or without `.sharding`). The result is placed like it:
+        each leaf with the template's sharding, and the leaves it leaves unplaced
+        (`tx.init`'s scalars) replicated over the template's mesh where it has one (the
+        rules: docs/guides/migration.md).
       block_size: the `block_size` of the checkpoint's `low_precision_state(..., jnp.int8)`
         when it was an int (the template then built with the same); None (default): the
         checkpoint used the default, its block length read from each leaf's scales.
 
     Returns:
-      A tree structured like `template`.
+      A tree structured like `template`, of concrete arrays.
 
     Raises:
-      ValueError: the checkpoint is of another mode, optimizer or params, naming the leaf.
+      ValueError: the checkpoint is of another mode, optimizer, params or dtypes, holds int8
+        codes of another shape or a corrupt `layout_version`, naming the leaf; or a template
+        leaf is sharded over an abstract mesh that no concrete mesh resolves.
 
     Example:
       >>> import flax.serialization as fs, jax.numpy as jnp, optax, mpjax
@@ -237,13 +248,9 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int | None = None
       >>> int(state.layout_version)
       2
     """
-    new = _upgrade(_as_dict(restored), _as_dict(template), (), block_size)
-    state = flax.serialization.from_state_dict(template, jax.tree.map(jnp.asarray, new))
-    return jax.tree.map(_placed_like, state, template)
-
-
-def _placed_like(leaf: Any, target: Any) -> Any:
-    """`leaf` on `target`'s devices and sharding (a restored leaf is on the default device):
-    an update with sharded params needs its state sharded the same way."""
-    sharding = getattr(target, "sharding", None)
-    return leaf if sharding is None else jax.device_put(leaf, sharding)
+    raw, tgt = _as_dict(restored), _as_dict(template)
+    check_dtypes(raw, tgt)
+    new = _upgrade(raw, tgt, (), block_size)
+    state = place_like(flax.serialization.from_state_dict(template, new), template)
+    check_like_template(state, template)
+    return state

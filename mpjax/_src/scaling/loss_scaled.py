@@ -27,6 +27,7 @@ from mpjax._src.scaling.loss_scaled_step import (
 from mpjax._src.scaling.master import init_master, view
 from mpjax._src.scaling.master_check import check_master
 from mpjax._src.scaling.nnx_nodes import loss_scaled_from_nnx
+from mpjax._src.scaling.restored import old_state_message
 from mpjax._src.scaling.scopes import LOSS_SCALING_SCOPE
 
 __all__ = ["STATE_LAYOUT_VERSION", "LossScaledState", "loss_scaled", "xla_unscale_and_check"]
@@ -56,7 +57,9 @@ class LossScaledState(NamedTuple):
       skipped_steps: scalar int32, how many steps were skipped in total.
       consecutive_skips: scalar int32, how many steps in a row were skipped last.
       layout_version: scalar int32, the layout of this state (`STATE_LAYOUT_VERSION` when
-        made): a checkpoint of an older layout is read by `mpjax.upgrade_state`.
+        made): a checkpoint of an older layout is read by `mpjax.upgrade_state`. None (the
+        default) only in a state of mpjax 6a474e7 or older rebuilt today (unpickled), which
+        mpjax's entry points refuse, naming `mpjax.upgrade_state`.
     """
 
     inner_state: Any
@@ -65,7 +68,7 @@ class LossScaledState(NamedTuple):
     grads_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
-    layout_version: jax.Array
+    layout_version: jax.Array | None = None
 
     @property
     def skipped(self) -> jax.Array:
@@ -95,6 +98,22 @@ def _next_state(state, new_inner, new_master, grads_finite, ok, limit, values_ch
         consecutive_skips=consecutive,
         layout_version=state.layout_version,
     )
+
+
+def _refuse_state(state: Any) -> None:
+    """Raises for a state `update` cannot run on, naming `mpjax.upgrade_state` for an old or
+    target-less restored one."""
+    hint = old_state_message("loss_scaled", state)
+    if isinstance(state, LossScaledState):
+        raise ValueError(hint)
+    msg = f"loss_scaled: state must be a LossScaledState, got {type(state).__name__}"
+    if hint is None and isinstance(state, dict | list):
+        hint = (
+            "dicts and lists are what orbax and flax restore without a target: "
+            "restore into a target (tx.init(params)), or through "
+            "mpjax.upgrade_state(restored, tx.init(params)) (see docs/guides/migration.md)"
+        )
+    raise TypeError(msg if hint is None else f"{msg}; {hint.removeprefix('loss_scaled: ')}")
 
 
 def loss_scaled(
@@ -239,10 +258,8 @@ def loss_scaled(
                 "loss_scaled: update needs params (it keeps master weights and returns "
                 "updates that land exactly on them); call tx.update(grads, state, params)"
             )
-        if not isinstance(state, LossScaledState):
-            raise TypeError(
-                f"loss_scaled: state must be a LossScaledState, got {type(state).__name__}"
-            )
+        if not isinstance(state, LossScaledState) or state.layout_version is None:
+            _refuse_state(state)
         # Under nnx.Optimizer, the nodes of the last update come back as nnx.States.
         state = loss_scaled_from_nnx(state)
         grads = _check_grads_match(grads, params)

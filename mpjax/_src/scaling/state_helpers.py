@@ -15,6 +15,7 @@ from mpjax._src.scaling.loss_scaled import LossScaledState
 from mpjax._src.scaling.master import _is_masked, view
 from mpjax._src.scaling.master_check import check_master
 from mpjax._src.scaling.nnx_nodes import is_flax_nnx, loss_scaled_from_nnx
+from mpjax._src.scaling.restored import old_state_message, restored_state_in
 from mpjax._src.scaling.scopes import LOSS_SCALING_SCOPE
 
 __all__ = [
@@ -54,6 +55,9 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
         if isinstance(x, LossScaledState)
     ]
     if not found:
+        restored = restored_state_in(opt_state)
+        if restored is not None:
+            raise ValueError(old_state_message("mpjax", restored[1], restored[0]))
         raise ValueError(
             "no mpjax.loss_scaled state found in this optimizer state "
             f"({type(opt_state).__name__}); build the optimizer with mpjax.loss_scaled(...)"
@@ -64,6 +68,8 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
             "pass the sub-state of the one you mean"
         )
     _check_not_accumulated(opt_state)
+    if found[0].layout_version is None:
+        raise ValueError(old_state_message("mpjax", found[0]))
     state = jax.tree.map(_unwrap, found[0], is_leaf=lambda x: _unwrap(x) is not x)
     return loss_scaled_from_nnx(state)
 
