@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 import mpjax
 from tests.helpers.sharding import (
     AXIS,
-    N_DEV,
     SHARD_MAP_SPECS,
     SPECS,
     assert_trees_close,
@@ -82,12 +81,6 @@ def _unsharded(master, state_dtype=None, block=None):
     return on_mesh(_train(opt), None, _args(master), None)
 
 
-def _per_device_block(shape) -> int:
-    """The int8 blocks the default picks for SPECS on 8 devices: each device's piece of
-    the last axis (blocks never straddle devices)."""
-    return shape[-1] // N_DEV
-
-
 def _assert_matches(got, want, what):
     """Masters to float32 rounding, params to one bf16 rounding flip, the rest exactly."""
     (params, masters, scale, skipped), (w_params, w_masters, w_scale, w_skipped) = got, want
@@ -102,10 +95,9 @@ def _check(kind, master, state_dtype=None, **kw):
     got = on_mesh(
         _train(_opt(master, state_dtype=state_dtype, **kw)), kind, _args(master), (SPECS,) * 4
     )
-    # int8 state: the sharded run's default blocks are each device's piece of a row, so the
-    # reference quantises with those blocks (the numbers of 256-long blocks differ)
-    block = _per_device_block if state_dtype == jnp.int8 else None
-    _assert_matches(got, _unsharded(master, state_dtype, block), f"{kind}/{master}/{kw}")
+    # int8 state: the default blocks follow the shapes alone, so the unsharded reference
+    # quantises with the same blocks as the sharded run
+    _assert_matches(got, _unsharded(master, state_dtype), f"{kind}/{master}/{kw}")
 
 
 # skip_impl="auto" is "cond" on CPU.

@@ -1,10 +1,10 @@
-"""8-bit optimizer state: block lengths from the sharding, size-0 leaves, MultiSteps.
+"""8-bit optimizer state: blocks from the shape, size-0 leaves, MultiSteps.
 
-`low_precision_state(inner, jnp.int8)` with the default `block_size=None` picks each leaf's
-block length from its sharding at `init` (a divisor of the last axis's piece on each device,
-so no block straddles two devices) and reads it back from the stored scales at each update;
-`block_size=` still overrides. Leaves of size 0 just work. `optax.MultiSteps`' gradient
-accumulator keeps its dtype.
+`low_precision_state(inner, jnp.int8)` with the default `block_size=None` cuts each leaf's
+last axis into power-of-two many equal segments of whole blocks (`default_pieces`), from its
+shape alone, so an even split of it over up to 8 devices never straddles a block; a state of
+another layout is refused at `update`, naming `upgrade_state`; `block_size=` still overrides.
+Leaves of size 0 just work. `optax.MultiSteps`' gradient accumulator keeps its dtype.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import mpjax
 from mpjax._src.analysis.collectives import collectives
 from mpjax._src.scaling.blockwise8 import (
     Blockwise8,
+    default_pieces,
     dequantize,
+    geometry,
     quantize,
-    sharded_block_length,
-    stored_block_length,
+    scales_shape,
 )
 
 is_q = lambda x: isinstance(x, Blockwise8)  # noqa: E731
@@ -59,31 +60,47 @@ def test_int8_state_of_a_kernel_split_on_its_last_axis_adds_no_collective():
     int8 = mpjax.low_precision_state(optax.adam(1e-3), jnp.int8)
     assert _step_collectives(int8, params) == f32
     mu = int8.init(params).inner_state[0].mu["w"]
-    assert mu.scales.shape == (384, 8)  # blocks of 125: one per device and row
+    assert mu.scales.shape == (384, 8)  # 8 segments of one 125-block: one per device and row
     # block_size= overrides: 256-element blocks straddle the devices and need collectives
     straddling = mpjax.low_precision_state(optax.adam(1e-3), jnp.int8, block_size=256)
     assert len(_step_collectives(straddling, params)) > len(f32)
 
 
-def test_sharded_block_length_divides_each_piece_and_reads_back():
-    for shape, piece in [((384, 1000), 125), ((4, 1000), 250), ((64,), 8), ((3, 512), 256)]:
-        b = sharded_block_length(shape, piece)
-        assert piece % b == 0 and b <= 256
-        q = jax.eval_shape(lambda x, b=b: quantize(x, b), jax.ShapeDtypeStruct(shape, jnp.float32))
-        assert stored_block_length(shape, q.scales.shape) == b
-    # 4 devices of 250: 250-long blocks would count 4, as 256-long ones do; 125 reads back
-    assert sharded_block_length((4, 1000), 250) == 125
+def test_default_layout_keeps_whole_blocks_on_every_even_split():
+    """For every width up to 5000: an even power-of-two split of the last axis into up to 8
+    pieces of at least 32 elements (up to 64 of at least 128) cuts no block, and blocks are
+    at most 256 long."""
+    for last in range(1, 5001):
+        pieces, b = geometry((2, last))
+        assert pieces == default_pieces(last) and last % pieces == 0 and 1 <= b <= 256
+        count = scales_shape((2, last))[-1]
+        starts = {(last // pieces) * s + b * j for s in range(pieces) for j in range(count)}
+        for k in (2, 4, 8, 16, 32, 64):
+            if last % k or last // k < (32 if k <= 8 else 128):
+                continue
+            assert count % k == 0, (last, k)
+            # each device's first element starts a block, and it holds count / k of them
+            assert all(last // k * d in starts for d in range(k)), (last, k)
+    widths = (768, 1024, 4096, 50257, 64, 3)
+    assert [scales_shape((4, n))[-1] for n in widths] == [8, 8, 32, 197, 2, 1]
 
 
-def test_default_reads_back_256_long_blocks():
-    """States written with the old default (`block_size=256`) are read as they were."""
+def test_update_refuses_a_state_of_another_layout_naming_upgrade_state():
+    """A 256-long state (3d03840's default where no sharding was seen) is not read as if it
+    were today's: the update names the shapes and `mpjax.upgrade_state`, which converts it."""
     rng = np.random.default_rng(2)
     g = {"w": jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32)}
     old = mpjax.low_precision_state(optax.adam(1e-2), jnp.int8, block_size=256)
     new = mpjax.low_precision_state(optax.adam(1e-2), jnp.int8)
-    state = old.init(g)
-    state = old.update(g, state, g)[1]
-    np.testing.assert_array_equal(new.update(g, state, g)[0]["w"], old.update(g, state, g)[0]["w"])
+    state = old.update(g, old.init(g), g)[1]
+    assert state.inner_state[0].mu["w"].scales.shape == (3, 4)
+    with pytest.raises(ValueError, match=r"scales of shape \(3, 4\), not \(3, 8\).*upgrade_state"):
+        new.update(g, state, g)
+    with pytest.raises(ValueError, match="upgrade_state"):
+        jax.jit(new.update)(g, state, g)
+    upgraded = mpjax.upgrade_state(state, new.init(g))
+    assert upgraded.inner_state[0].mu["w"].scales.shape == (3, 8)
+    new.update(g, upgraded, g)
 
 
 @pytest.mark.parametrize("block_size", [None, 64])
@@ -130,8 +147,8 @@ def test_multisteps_accumulator_keeps_its_dtype():
     np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6)
 
 
-def test_default_block_length_from_explicit_axes_under_jit():
-    """Under `jit` the sharding is seen where the axes are Explicit (the type carries it)."""
+def test_layout_is_the_same_under_explicit_and_auto_axes_and_eval_shape():
+    """The layout follows the shape: Explicit axes under `jit`, Auto axes, no sharding."""
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
     tx = mpjax.low_precision_state(optax.adam(1e-3), jnp.int8)
     w = jax.ShapeDtypeStruct(
@@ -140,5 +157,5 @@ def test_default_block_length_from_explicit_axes_under_jit():
     with jax.set_mesh(mesh):
         state = jax.eval_shape(tx.init, {"w": w})
     assert state.inner_state[0].mu["w"].scales.shape == (384, 8)
-    auto = jax.ShapeDtypeStruct((384, 1000), jnp.float32)  # no sharding seen: 256 long
-    assert jax.eval_shape(tx.init, {"w": auto}).inner_state[0].mu["w"].scales.shape == (384, 4)
+    auto = jax.ShapeDtypeStruct((384, 1000), jnp.float32)  # no sharding: the same layout
+    assert jax.eval_shape(tx.init, {"w": auto}).inner_state[0].mu["w"].scales.shape == (384, 8)

@@ -108,19 +108,19 @@ def test_old_flattened_checkpoints_are_read_and_a_mismatch_fails_loudly():
     rng = np.random.default_rng(3)
     codes = rng.integers(-127, 128, (12, 50)).astype(np.int8)
     scales = rng.uniform(0.5, 2.0, 3).astype(np.float32)  # ceil(600 / 256) flat blocks
-    got = dequantize(Blockwise8(jnp.asarray(codes), jnp.asarray(scales)), (12, 50))
+    got = dequantize(Blockwise8(jnp.asarray(codes), jnp.asarray(scales)), (12, 50), 256)
     spec = _spec_code()
     flat = codes.reshape(-1).astype(np.int64)
     want = np.sign(flat) * spec[np.abs(flat)] * scales[np.arange(flat.size) // 256]
     np.testing.assert_allclose(np.asarray(got, np.float64).reshape(-1), want, rtol=1e-6)
     with pytest.raises(ValueError, match=r"scales of shape \(5,\).*expected \(12, 1\)"):
-        dequantize(Blockwise8(jnp.asarray(codes), jnp.ones((5,))), (12, 50))
+        dequantize(Blockwise8(jnp.asarray(codes), jnp.ones((5,))), (12, 50), 256)
 
 
 def test_stochastic_rounding_is_unbiased_and_deterministic():
     x = _moments(256, 1)
     key = jnp.asarray(x)
-    draw = jax.jit(jax.vmap(lambda s: dequantize(quantize(key, 256, s), x.shape)))
+    draw = jax.jit(jax.vmap(lambda s: dequantize(quantize(key, 256, s), x.shape, 256)))
     draws = np.asarray(draw(jnp.arange(1500, dtype=jnp.uint32)), np.float64)
     # a draw is one of the two codes around x; their mean is x within 5 standard errors
     scale = np.abs(x).max()
@@ -140,17 +140,18 @@ def test_stochastic_rounding_is_unbiased_and_deterministic():
 
 
 def test_adamw_state_is_6_bytes_per_param_with_exact_master():
-    """bf16 params + int16 remainders + 8-bit mu and nu (+ a float32 scale per 256)."""
+    """bf16 params + int16 remainders + 8-bit mu and nu (+ a float32 scale per block: the
+    default layout cuts a 256-wide row into 8 blocks of 32, a 128-long bias into 4)."""
     params = {"w": jnp.zeros((128, 256), jnp.bfloat16), "b": jnp.zeros((128,), jnp.bfloat16)}
     inner = mpjax.low_precision_state(optax.adamw(1e-3), jnp.int8)
     state = mpjax.loss_scaled(inner, master_weights="remainder").init(params)
     mu = state.inner_state.inner_state[0].mu
     assert isinstance(mu["w"], mpjax.scaling.Blockwise8)
     assert mu["w"].codes.dtype == jnp.int8 and mu["w"].codes.shape == (128, 256)
-    assert mu["w"].scales.shape == (128, 1) and mu["b"].scales.shape == (1,)
+    assert mu["w"].scales.shape == (128, 8) and mu["b"].scales.shape == (4,)
     n = sum(x.size for x in jax.tree.leaves(params))
     big = sum(x.nbytes for x in jax.tree.leaves((params, state)) if x.ndim)  # no counters
-    assert big == 6 * n + 2 * 4 * (128 + 1)  # 6 bytes each, and two scales per block
+    assert big == 6 * n + 2 * 4 * (128 * 8 + 4)  # 6 bytes each, and two scales per block
 
 
 @pytest.mark.parametrize("name", sorted(LP_INNERS))
@@ -185,7 +186,7 @@ def test_int8_state_inside_loss_scaled_skip_is_bit_identical():
 
 
 def test_int8_bad_arguments_name_the_culprit():
-    with pytest.raises(ValueError, match=r"block_size must be None \(from each leaf's sharding\)"):
+    with pytest.raises(ValueError, match=r"block_size must be None \(from each leaf's shape\)"):
         mpjax.low_precision_state(optax.adam(1e-3), jnp.int8, block_size=0)
     tx = mpjax.low_precision_state(optax.adam(1e-3), jnp.int8, block_size=lambda shape: 0)
     with pytest.raises(ValueError, match=r"block length of shape \(3,\) must be an int >= 1"):

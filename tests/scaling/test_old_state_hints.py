@@ -108,7 +108,7 @@ def test_state_without_layout_version_is_refused_naming_upgrade_state():
     with pytest.raises(ValueError, match="has no layout_version"):
         mpjax.scale_loss(1.0, old)
     upgraded = mpjax.upgrade_state(old, tx.init(p))
-    assert int(upgraded.layout_version) == 1
+    assert int(upgraded.layout_version) == 2
     tx.update(_grads(p), upgraded, p)
 
 

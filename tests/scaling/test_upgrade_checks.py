@@ -284,4 +284,4 @@ def test_valid_layout_versions_are_read(value):
     restored = _roundtrip(template)
     restored["layout_version"] = value
     upgraded = mpjax.upgrade_state(restored, template)
-    assert upgraded.layout_version.dtype == jnp.int32 and int(upgraded.layout_version) == 1
+    assert upgraded.layout_version.dtype == jnp.int32 and int(upgraded.layout_version) == 2

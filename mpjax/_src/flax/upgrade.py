@@ -21,7 +21,14 @@ from mpjax._src.flax.upgrade_checks import (
     place_like,
     version_leaf,
 )
-from mpjax._src.scaling.blockwise8 import Blockwise8, dequantize, quantize
+from mpjax._src.scaling.blockwise8 import (
+    Blockwise8,
+    dequantize,
+    geometry,
+    quantize,
+    scales_shape,
+    stored_block_length,
+)
 from mpjax._src.scaling.master_check import master_kind
 
 __all__ = ["upgrade_state"]
@@ -68,23 +75,50 @@ def _mode_error(path: tuple[str, ...], raw: Any, tgt: Any) -> ValueError:
     )
 
 
-def _blockwise8(raw: dict, tgt: dict, path: tuple[str, ...], block_size: int) -> dict:
-    """An int8 leaf; scales of 6a474e7's flattened blocks re-quantized into per-row blocks."""
+INT8_SHAPE_LAYOUT = 2  # the first `layout_version` whose int8 blocks follow the shape alone
+
+
+def _blockwise8(
+    raw: dict, tgt: dict, path: tuple[str, ...], block_size: int | None, old: bool | None
+) -> dict:
+    """An int8 leaf in the template's layout. `old`: the checkpoint's state predates the
+    layout from the shape (None: not known, no `LossScaledState` around it). A leaf of an
+    old layout (6a474e7's flattened blocks, 256-long rows, 3d03840's blocks from the
+    sharding) is dequantized exactly and quantized once more into the template's blocks,
+    unless both cut the leaf alike (then it is kept bit for bit)."""
     codes, scales = jnp.asarray(raw["codes"]), jnp.asarray(raw["scales"])
     want = tuple(np.shape(tgt["scales"]))
-    if tuple(scales.shape) == want:
+    shape = tuple(codes.shape)
+    if not old and (old is False or tuple(scales.shape) == want):
+        if tuple(scales.shape) != want:
+            raise ValueError(
+                f"upgrade_state: {_name(path)}: the checkpoint's int8 scales have shape "
+                f"{tuple(scales.shape)}, the template's {want}: build the template with the "
+                "block_size of the checkpoint's low_precision_state"
+            )
         return {"codes": codes, "scales": scales}
+    if block_size is None:  # the checkpoint's default block length, read from its scales
+        read = stored_block_length(shape, tuple(scales.shape))
+    else:
+        read = block_size
+    if want == scales_shape(shape, None):
+        layout = None  # today's default, from the shape
+    elif block_size is not None and want == scales_shape(shape, block_size):
+        layout = block_size
+    else:
+        raise ValueError(
+            f"upgrade_state: {_name(path)}: the template's int8 scales have shape {want}, "
+            f"neither today's default layout {scales_shape(shape, None)} nor that of "
+            f"block_size={block_size}: pass the block_size of the template's "
+            "low_precision_state"
+        )
+    if tuple(scales.shape) == want and geometry(shape, read) == geometry(shape, layout):
+        return {"codes": codes, "scales": scales}  # cut alike: kept bit for bit
     try:
-        values = dequantize(Blockwise8(codes, scales), codes.shape, block_size)
+        values = dequantize(Blockwise8(codes, scales), shape, read)
     except ValueError as e:
         raise ValueError(f"upgrade_state: {_name(path)}: {e}; pass block_size=") from None
-    new = quantize(values, block_size)
-    if tuple(new.scales.shape) != want:
-        raise ValueError(
-            f"upgrade_state: {_name(path)}: the template's int8 scales have shape {want}, not "
-            f"{tuple(new.scales.shape)} for block_size={block_size}: pass the block_size of "
-            "the template's low_precision_state"
-        )
+    new = quantize(values, layout)
     return {"codes": new.codes, "scales": new.scales}
 
 
@@ -92,9 +126,16 @@ _LOSS_SCALED_KEYS = {"inner_state", "master", "loss_scale", "consecutive_skips"}
 
 
 def _upgrade(
-    raw: Any, tgt: Any, path: tuple[str, ...], block_size: int, in_master: bool = False
+    raw: Any,
+    tgt: Any,
+    path: tuple[str, ...],
+    block_size: int | None,
+    in_master: bool = False,
+    old: bool | None = None,
 ) -> Any:
-    """`raw` in the layout of `tgt`; `in_master`: inside a `loss_scaled` master tree."""
+    """`raw` in the layout of `tgt`; `in_master`: inside a `loss_scaled` master tree; `old`:
+    inside a `loss_scaled` state of a layout before int8 blocks from the shape (None: not
+    inside one)."""
     if isinstance(tgt, dict):
         if in_master and set(tgt) == {"remainder"} and getattr(raw, "dtype", None) == jnp.int16:
             return {"remainder": raw}  # 6a474e7 kept a remainder as a bare int16 leaf
@@ -111,8 +152,8 @@ def _upgrade(
             )
         if set(tgt) == {"codes", "scales"} and set(raw) == {"codes", "scales"}:
             check_codes(raw, tgt, path)
-            return _blockwise8(raw, tgt, path, block_size)
-        check_layout_version(raw, tgt, path)
+            return _blockwise8(raw, tgt, path, block_size, old)
+        version = check_layout_version(raw, tgt, path)
         missing = sorted(set(tgt) - set(raw) - {"layout_version"})
         extra = sorted(set(raw) - set(tgt))
         if missing or extra:
@@ -122,9 +163,16 @@ def _upgrade(
                 "params that wrote the checkpoint"
             )
         state = _LOSS_SCALED_KEYS <= set(tgt)  # a LossScaledState: its master is a master tree
+        if state:
+            old = version is None or version < INT8_SHAPE_LAYOUT
         out = {
             k: _upgrade(
-                raw[k], tgt[k], (*path, k), block_size, in_master or (state and k == "master")
+                raw[k],
+                tgt[k],
+                (*path, k),
+                block_size,
+                in_master or (state and k == "master"),
+                old,
             )
             for k in tgt
             if k in raw and k != "layout_version"
@@ -143,7 +191,7 @@ def _upgrade(
     return raw
 
 
-def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any:
+def upgrade_state(restored: Any, template: Any, *, block_size: int | None = None) -> Any:
     """Reads an optimizer state restored from a checkpoint of an older mpjax into `template`.
 
     For checkpoints written before the state layout was versioned (mpjax 6a474e7 and
@@ -154,9 +202,17 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any
     and pass the tree here with a template of the same optimizer and params: it returns
     the state in today's layout, the template's structure, its arrays from the checkpoint.
     Remainders, float32 masters, float32 and bfloat16 states are carried over bit for bit
-    (training goes on as the old release would have). int8 states in the old layout are
-    dequantized exactly and quantized once more into today's blocks (to nearest): the
-    moments move by at most one int8 rounding, and training follows today's int8 code.
+    (training goes on as the old release would have). int8 states of mpjax 3d03840 and
+    earlier (`layout_version` below 2: 6a474e7's flattened blocks, 256-long rows, or
+    3d03840's blocks from each leaf's sharding at `init`, so written on any device count)
+    are dequantized exactly (the old codes times their scales, in float32) and quantized
+    once more into today's blocks from the shape (to nearest). Each new block's scale is
+    exactly the largest old value in it, and each element moves by at most half the gap
+    between the two codes around it: at most 0.00704 of its new block's scale (the top
+    decade's half gap, 0.9 / 128), ten times less per decade below; a leaf whose old
+    blocks are today's is kept bit for bit. Training then follows
+    today's int8 code. The result is placed like the template's arrays, so it restores on
+    any device count.
     A checkpoint of another `master_weights` mode is refused, naming that mode (convert
     with `mpjax.with_master_weights` after upgrading with a template of that mode).
 
@@ -172,7 +228,8 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any
         (`tx.init`'s scalars) replicated over the template's mesh where it has one (the
         rules: docs/guides/migration.md).
       block_size: the `block_size` of the checkpoint's `low_precision_state(..., jnp.int8)`
-        (an int; 256 is the default).
+        when it was an int (the template then built with the same); None (default): the
+        checkpoint used the default, its block length read from each leaf's scales.
 
     Returns:
       A tree structured like `template`, of concrete arrays.
@@ -189,7 +246,7 @@ def upgrade_state(restored: Any, template: Any, *, block_size: int = 256) -> Any
       >>> blob = fs.to_bytes(tx.init(params))  # a checkpoint
       >>> state = mpjax.upgrade_state(fs.msgpack_restore(blob), tx.init(params))
       >>> int(state.layout_version)
-      1
+      2
     """
     raw, tgt = _as_dict(restored), _as_dict(template)
     check_dtypes(raw, tgt)

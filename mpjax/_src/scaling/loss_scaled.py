@@ -34,9 +34,10 @@ __all__ = ["STATE_LAYOUT_VERSION", "LossScaledState", "loss_scaled", "xla_unscal
 
 # The layout of `LossScaledState` (and the mpjax states inside it) a checkpoint holds: 0 is the
 # unversioned layout of 6a474e7 and before (bare int16 remainders, int8 scales in flattened
-# blocks), 1 adds this field, `Remainder` nodes and per-row int8 scales. Bump it with every
-# change of the layout, and teach `mpjax.upgrade_state` to read the previous one.
-STATE_LAYOUT_VERSION = 1
+# blocks), 1 adds this field, `Remainder` nodes and per-row int8 scales (256 long, or from
+# the sharding at `init` as of 3d03840), 2 int8 blocks from the leaf's shape alone. Bump it
+# with every change of the layout, and teach `mpjax.upgrade_state` to read the previous one.
+STATE_LAYOUT_VERSION = 2
 
 
 class LossScaledState(NamedTuple):
