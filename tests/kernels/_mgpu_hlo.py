@@ -6,10 +6,8 @@ Writes one JSON object to `--json PATH`:
   (`[target, op_name]`) and what Mosaic GPU's compile wrote about the kernel, as asked by
   `MOSAIC_GPU_DUMP_PTX` / `MOSAIC_GPU_DUMP_PTXAS` / `MOSAIC_GPU_DUMP_TO` in the environment
   (`ptx`: its wgmma and TMA instructions and target; `ptxas`: the assembler's report);
-- `step` (with `--step`): the wide LM's blockwise train step (benchmarks' `fp8-blockwise`:
-  `Fp8Recipe("blockwise", block_lowering="native")`, the head in bf16) compiled for one H100:
-  its GEMMs (`[lhs dtype, rhs dtype, op_name, custom call target or ""]`) and its Dense
-  kernels (`[path, shape]`).
+- `routing`: which kernel `block_lowering="native"` runs for one dense layer on each GPU.
+The wide LM's whole step: benchmarks/tests/_mgpu_step_hlo.py (tests may not import benchmarks).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from mpjax._src.analysis import hlo_cost  # noqa: E402
 from mpjax._src.analysis.target import (  # noqa: E402
     B200_TARGET,
     H100_TARGET,
@@ -108,34 +105,11 @@ def routing() -> dict:
     return out
 
 
-def wide_step() -> dict:
-    from benchmarks.fp8_variants import BLOCK_VARIANTS
-    from benchmarks.harness import compile_program
-    from benchmarks.train_models import LM_SIZES, VOCAB
-
-    program = BLOCK_VARIANTS["fp8-blockwise"]({**LM_SIZES["wide"], "vocab": VOCAB["full"]})
-    _, compiled, state = compile_program(program, "h100")
-    text = compiled.as_text()
-    report = hlo_cost.analyze(text)
-    targets = dict(re.findall(r"%?([\w.\-]+) = [^\n]*custom_call_target=\"([^\"]+)\"", text))
-    gemms = [[g.lhs_dtype, g.rhs_dtype, g.op_name, targets.get(g.name, "")] for g in report.gemms]
-    params = state[0] if isinstance(state, tuple) else state
-    kernels = [
-        [jax.tree_util.keystr(path), list(leaf.shape)]
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-        if "kernel" in jax.tree_util.keystr(path)
-    ]
-    return {"gemms": gemms, "kernels": kernels, "custom_calls": _custom_calls(text)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
-    parser.add_argument("--step", action="store_true", help="also the wide LM's train step")
     args = parser.parse_args()
     out = {"jax": jax.__version__, "kernel": kernel_alone(), "routing": routing()}
-    if args.step:
-        out["step"] = wide_step()
     Path(args.json).write_text(json.dumps(out, indent=1))
 
 

@@ -11,7 +11,9 @@ import pytest
 
 from mpjax._src.kernels import blockwise_gemm_mgpu as mgpu
 from mpjax._src.kernels.blockwise_gemm import blockwise_fp8_gemm, blockwise_fp8_gemm_reference
-from tests.kernels.test_blockwise_gemm import E4M3, E5M2, _float64, _operands
+from tests.helpers.blockwise_gemm import E4M3, E5M2
+from tests.helpers.blockwise_gemm import float64_blockwise as _float64
+from tests.helpers.blockwise_gemm import operands as _operands
 
 # ragged M and N (not multiples of the 128-row CTA tile or the 128-column tile), K multiples
 # of 128 and one that is not (padded with zeros inside its last block)
