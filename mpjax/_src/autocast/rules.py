@@ -93,10 +93,18 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     them would disagree with the values it is called on. Not weak-typed: the rewrite chose
     the dtype.
     """
-    like = jax.ShapeDtypeStruct.like(x)
-    return jax.ShapeDtypeStruct(
-        like.shape, dtype_of(x), sharding=like.sharding, manual_axis_type=like.manual_axis_type
-    )
+    if hasattr(jax.ShapeDtypeStruct, "like"):  # jax >= 0.10.2
+        like = jax.ShapeDtypeStruct.like(x)
+        sharding, mat = like.sharding, like.manual_axis_type
+    else:  # jax 0.10.0/0.10.1: the same fields, read from the value's type
+        aval = jax.typeof(x)
+        sharding = None if aval.sharding.mesh.empty else aval.sharding
+        if getattr(x, "_committed", True):
+            sharding = getattr(x, "sharding", sharding)
+        else:
+            sharding = None
+        mat = None if aval.mat.empty else aval.mat
+    return jax.ShapeDtypeStruct(jnp.shape(x), dtype_of(x), sharding=sharding, manual_axis_type=mat)
 
 
 def _jit(evaluate, ctx, eqn, vals, origins):
