@@ -17,7 +17,7 @@ import pytest
 
 from mpjax._src.kernels import common
 from mpjax._src.kernels.dispatch import TRITON_DEPRECATED
-from mpjax._src.kernels.gpu_target import abstract_gpu
+from mpjax._src.kernels.gpu_target import H100_DEVICE_KIND, abstract_gpu, needs_abstract_gpu
 from mpjax.pallas import channel_stats, conv_epilogue, unscale_and_check
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -138,3 +138,18 @@ def test_reducing_kernels_with_row_group_loops(monkeypatch):
         "mpjax_conv_epilogue_bwd",
         "mpjax_conv_epilogue_fwd",
     ]
+
+
+def test_abstract_gpu_names_a_gpu_only_where_jax_asks_for_one():
+    """jax >= 0.11 on a host without a GPU: lowering for "cuda" gets an H100 named, the axes of
+    a mesh in context kept; never for CPU-only lowering, a device already named or jax 0.10."""
+    asks = TRITON_DEPRECATED and jax.default_backend() != "gpu"
+    assert needs_abstract_gpu(("cpu", "cuda")) == asks
+    assert not needs_abstract_gpu(("cpu",)) and not needs_abstract_gpu(None)
+    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    with jax.sharding.use_abstract_mesh(mesh), abstract_gpu(("cuda",)):
+        inner = jax.sharding.get_abstract_mesh()
+        assert inner.axis_names == ("data",) and inner.axis_sizes == (2,)
+        device = inner.abstract_device
+        assert (device is not None and device.device_kind == H100_DEVICE_KIND) == asks
+        assert not needs_abstract_gpu(("cuda",))  # named now (or never needed)
