@@ -13,6 +13,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 import mpjax
 from mpjax import OpLists, autocast
+from mpjax._src.autocast.rules import scan_counts
 from tests.helpers.numerics import f64_reference, tree_rel_err
 
 LOW_DTYPES = [jnp.bfloat16, jnp.float16]
@@ -308,6 +309,34 @@ def scan_case():
     return loss, params, x, f64_reference(jax.value_and_grad(loss), params, x)
 
 
+def test_scan_counts_split_operands_on_this_jax_version():
+    """`scan_counts` reads the const/carry split from `num_consts`/`num_carry` (jax 0.10) or
+    `ft_in` (jax >= 0.11); a scan with a closed-over constant, a two-part carry and a scanned
+    input autocasts (`KeyError: 'num_consts'` on jax 0.11 before) with the carry in float32."""
+    w = jnp.full((4, 4), 0.5, jnp.float32)
+
+    def f(c, xs):
+        def body(carry, x):
+            h, n = carry
+            return (jnp.tanh(h @ w + x), n + 1.0), jnp.sum(h)
+
+        return lax.scan(body, c, xs)
+
+    c, xs = (jnp.ones((2, 4)), jnp.float32(0)), jnp.ones((3, 2, 4))
+    (scan,) = eqns_named(jax.make_jaxpr(f)(c, xs), "scan")
+    nc, ncarry = scan_counts(scan.params)
+    body = scan.params["jaxpr"]
+    assert len(scan.invars) == nc + ncarry + 1  # [*consts, *carry, xs]
+    assert body.in_avals[nc : nc + ncarry] == body.out_avals[:ncarry]
+    assert body.in_avals[-1].shape == (2, 4)  # one slice of xs
+    (ac_scan,) = eqns_named(jax.make_jaxpr(autocast(f))(c, xs), "scan")
+    (dot,) = eqns_named(ac_scan.params["jaxpr"], "dot_general")
+    assert in_dtypes(dot) == [np.dtype(jnp.bfloat16)] * 2
+    got, want = jax.jit(autocast(f))(c, xs), f(c, xs)
+    chex.assert_trees_all_equal_dtypes(got, want)
+    chex.assert_trees_all_close(got, want, rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("remat", [False, True])
 def test_nn_scan_layers_and_checkpoint(remat):
     loss, params, x, (ref, ref_grad) = scan_case()
@@ -315,7 +344,7 @@ def test_nn_scan_layers_and_checkpoint(remat):
     jaxpr = jax.make_jaxpr(ac)(params, x)
     (scan,) = eqns_named(jaxpr, "scan")
     # The carry keeps its traced float32 type; the matmul in the body runs in bfloat16.
-    nc = scan.params["num_consts"]
+    nc, _ = scan_counts(scan.params)
     assert np.dtype(scan.params["jaxpr"].in_avals[nc].dtype) == F32
     bf16 = np.dtype(jnp.bfloat16)
     (dot,) = eqns_named(scan.params["jaxpr"], "dot_general")

@@ -5,6 +5,8 @@ bfloat16 GEMMs around a float32 softmax; here its results stay within bfloat16 t
 same model run in float64 by Flax, with a padding mask that masks one batch row entirely.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +165,33 @@ def test_mpjax_attention_fn_takes_grouped_query_heads_off_cuda(dtype, with_bias)
     assert rel_error(out, ref) < tol
     for g, r in zip(grads, ref_grads, strict=True):
         assert rel_error(g, r) < tol
+
+
+def test_sown_weights_under_nnx_capture_without_deprecation_warnings():
+    """`sow_weights=True` with mpjax's attention records the float32-softmax weights through
+    `nnx.capture`, with no DeprecationWarning (flax >= 0.12.8 deprecates `Module.sow` only
+    outside `nnx.capture`, for flax's own attention the same)."""
+    m = nnx.MultiHeadAttention(
+        num_heads=2,
+        in_features=8,
+        qkv_features=8,
+        decode=False,
+        rngs=nnx.Rngs(0),
+        attention_fn=float32_softmax_attention,
+    )
+    x = jax.random.normal(jax.random.key(1), (1, 3, 8), jnp.bfloat16)
+
+    @nnx.capture(nnx.Intermediate)
+    def forward(m, x):
+        return m(x, sow_weights=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        out, captured = forward(m, x)
+    (weights,) = nnx.to_pure_dict(captured)["attention_weights"]
+    q = m.query(x).astype(jnp.float32)
+    k = m.key(x).astype(jnp.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(4.0)
+    assert weights.dtype == jnp.float32 and weights.shape == (1, 2, 3, 3)  # the float32 softmax
+    np.testing.assert_allclose(weights, jax.nn.softmax(logits), rtol=1e-5, atol=1e-6)
+    assert out.shape == x.shape

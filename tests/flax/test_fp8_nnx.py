@@ -260,10 +260,15 @@ def test_stacked_layers_under_scan_get_stacked_state_equal_to_unrolled():
     for key in ("amax_history", "scale"):
         assert same_bits(stacked[key][:, :2], ref[key][:, :2])
         assert same_bits(stacked[key][-1], ref[key][-1])
-    # the output gradients of earlier layers come through bf16 / e5m2 backward GEMMs, which
-    # XLA rounds a little differently in the loop than unrolled: within 3 %
-    np.testing.assert_allclose(stacked["amax_history"], ref["amax_history"], rtol=0.03)
-    np.testing.assert_allclose(stacked["scale"], ref["scale"], rtol=0.03)
+    # The output gradients of earlier layers come back through the later layers' bf16 and
+    # e5m2 backward GEMMs, which XLA:CPU rounds differently in the loop than unrolled: jaxlib
+    # 0.10 runs every bf16 dot as a float32 one (scan vs unrolled within 0.7 %), jaxlib 0.12
+    # runs them in bfloat16 (2 per scanned body, 7 unrolled), and a gradient element that
+    # moves across an e5m2 rounding boundary (2 mantissa bits, 25 % steps) moves the amax by
+    # a part of that step: layer 0's is 0.00836 scanned vs 0.00903 unrolled on 0.12 (0.00842
+    # vs 0.00848 on 0.10; unrolled alone moved 6.5 % between the two). Within 12.5 %.
+    np.testing.assert_allclose(stacked["amax_history"], ref["amax_history"], rtol=0.125)
+    np.testing.assert_allclose(stacked["scale"], ref["scale"], rtol=0.125)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -10,6 +10,7 @@ every layer); through the 3 to 5 layers of these models that accumulates to a fe
 
 import functools
 import sys
+import warnings
 
 import chex
 import flax.linen as nn
@@ -21,6 +22,7 @@ import pytest
 import mpjax
 from examples import export_inference as export_example
 from mpjax import export as mx
+from mpjax._src.kernels.dispatch import TRITON_DEPRECATED
 from mpjax.inference import fold_batchnorm_params
 from tests.helpers.inference import TOL, ConvBNNet, DenseBN, randomize_stats, reference64, rel_err
 
@@ -463,14 +465,22 @@ def test_export_convbn_per_platform():
     model = ConvBNNet()
     x = np.asarray(jax.random.normal(jax.random.key(1), (2, 3, 6, 6)))
     variables = randomize_stats(model.init(jax.random.key(0), x, train=True), seed=11)
-    converted = convert(model, variables, "bfloat16", x[:1])
-    cuda = mx.load_inference(mx.serialize_inference(converted, x, platforms=["cuda"]))
+    converted = convert(model, variables, "bfloat16", x[:1])  # epilogue_impl "auto"
+    pallas = convert(model, variables, "bfloat16", x[:1], epilogue_impl="pallas")
+    # from this CPU machine (jax >= 0.11: for an abstract GPU device, which mpjax names)
+    cuda = mx.load_inference(mx.serialize_inference(pallas, x, platforms=["cuda"]))
     assert cuda.platforms == ("cuda",)
     assert "triton" in cuda.exported.mlir_module()  # the fused epilogue, as a Triton kernel
+    # "auto" lowers the kernel for CUDA only where JAX does not deprecate the Triton backend,
+    # and then with no DeprecationWarning on any jax
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        auto = mx.load_inference(mx.serialize_inference(converted, x, platforms=["cuda"]))
+    assert ("triton" in auto.exported.mlir_module()) == (not TRITON_DEPRECATED)
     cpu = mx.load_inference(mx.serialize_inference(converted, x, platforms=["cpu"]))
     chex.assert_trees_all_equal(cpu(x), jax.jit(converted.apply)(converted.variables, x))
     with pytest.raises(ValueError, match="one artifact per platform"):
-        mx.serialize_inference(converted, x, platforms=("cpu", "cuda"))
+        mx.serialize_inference(pallas, x, platforms=("cpu", "cuda"))
     xla = convert(model, variables, "bfloat16", x[:1], epilogue_impl="xla")
     both = mx.load_inference(mx.serialize_inference(xla, x, platforms=("cpu", "cuda")))
     chex.assert_trees_all_equal(both(x), jax.jit(xla.apply)(xla.variables, x))

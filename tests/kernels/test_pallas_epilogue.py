@@ -160,7 +160,12 @@ def test_out_dtype_and_non_finite_inputs(y_dtype, out_dtype):
     out, grads = _forward_and_grads(y, scale, shift, res, cot, impl="interpret", **kw)
     xout, xgrads = _forward_and_grads(y, scale, shift, res, cot, impl="xla", **kw)
     assert out.dtype == out_dtype and grads["y"].dtype == y_dtype
-    np.testing.assert_array_equal(out, xout)  # inf/NaN land where the reference puts them
+    # inf/NaN land where the reference puts them (same places and signs); the finite values
+    # agree to one float32 rounding of the summed terms (|terms| < 8: 1e-6): jaxlib 0.12's
+    # XLA:CPU rounds the jitted reference differently from 0.10 (7 of 180 values by an ulp)
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(np.isfinite(f32(out)), np.isfinite(f32(xout)))
+    np.testing.assert_allclose(f32(out), f32(xout), rtol=2.5e-7, atol=1e-6, equal_nan=True)
     assert not np.isfinite(np.asarray(out, np.float32).reshape(-1)[flat.size // 2])
     np.testing.assert_array_equal(grads["res"], xgrads["res"])
 

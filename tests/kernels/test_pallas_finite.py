@@ -10,6 +10,7 @@ import pytest
 
 import mpjax
 from mpjax._src.kernels import unscale
+from mpjax._src.kernels.gpu_target import abstract_gpu
 from mpjax.pallas import all_finite_unscaled, xla_all_finite_unscaled
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -76,7 +77,8 @@ def test_kernel_reads_own_dtypes_and_writes_only_flags():
         "f": jnp.ones((9000,), jnp.float32),
     }
     fn = jax.jit(functools.partial(all_finite_unscaled, impl="pallas"))
-    text = fn.trace(grads, jnp.float32(2.0)).lower(lowering_platforms=("cuda",)).as_text()
+    with abstract_gpu():  # jax >= 0.11: name the GPU to lower for
+        text = fn.trace(grads, jnp.float32(2.0)).lower(lowering_platforms=("cuda",)).as_text()
     [call] = [line for line in text.splitlines() if TRITON in line]
     assert 'name = "mpjax_all_finite_unscaled"' in call
     operands, results = call.split(" : ")[-1].split(" -> ")
@@ -99,7 +101,10 @@ def _cuda_step_text(tx, params):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return jax.jit(step).trace(params, state, params).lower(lowering_platforms=("cuda",)).as_text()
+    with abstract_gpu():  # jax >= 0.11: name the GPU to lower for
+        return (
+            jax.jit(step).trace(params, state, params).lower(lowering_platforms=("cuda",)).as_text()
+        )
 
 
 def test_loss_scaled_pallas_impl_writes_no_unscaled_copy_on_cuda():

@@ -93,10 +93,18 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     them would disagree with the values it is called on. Not weak-typed: the rewrite chose
     the dtype.
     """
-    like = jax.ShapeDtypeStruct.like(x)
-    return jax.ShapeDtypeStruct(
-        like.shape, dtype_of(x), sharding=like.sharding, manual_axis_type=like.manual_axis_type
-    )
+    if hasattr(jax.ShapeDtypeStruct, "like"):  # jax >= 0.10.2
+        like = jax.ShapeDtypeStruct.like(x)
+        sharding, mat = like.sharding, like.manual_axis_type
+    else:  # jax 0.10.0/0.10.1: the same fields, read from the value's type
+        aval = jax.typeof(x)
+        sharding = None if aval.sharding.mesh.empty else aval.sharding
+        if getattr(x, "_committed", True):
+            sharding = getattr(x, "sharding", sharding)
+        else:
+            sharding = None
+        mat = None if aval.mat.empty else aval.mat
+    return jax.ShapeDtypeStruct(jnp.shape(x), dtype_of(x), sharding=sharding, manual_axis_type=mat)
 
 
 def _jit(evaluate, ctx, eqn, vals, origins):
@@ -176,10 +184,26 @@ def _custom_vjp(evaluate, ctx, eqn, vals, origins):
     return list(outs), [STRONG] * len(outs)
 
 
+def scan_counts(params) -> tuple[int, int]:
+    """The numbers of constant and carry operands of a `scan` equation.
+
+    Args:
+      params: the equation's params: `num_consts`/`num_carry` up to jax 0.10; from 0.11 a flat
+        tree `ft_in` of the (consts, carry, xs) operands.
+
+    Returns:
+      `(num_consts, num_carry)`; the operands are `[*consts, *carry, *xs]` on every version.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def _scan(evaluate, ctx, eqn, vals, origins):
     """`lax.scan` over the autocast body; the carry keeps its traced dtypes."""
     p = eqn.params
-    body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+    body, (nc, ncarry) = p["jaxpr"], scan_counts(p)
     consts, init, xs = vals[:nc], vals[nc : nc + ncarry], vals[nc + ncarry :]
     carry_dtypes = [a.dtype for a in body.in_avals[nc : nc + ncarry]]
     init = [cast(v, d) for v, d in zip(init, carry_dtypes, strict=True)]

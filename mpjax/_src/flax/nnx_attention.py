@@ -40,6 +40,10 @@ def float32_softmax_attention(
     Masked logits are set to the float32 minimum: a fully masked row attends uniformly.
     Key/value heads may divide the query heads (grouped-query attention).
 
+    `module` (the attention module, when called with `sow_weights=True`) sows the float32
+    weights as Flax's function does: into `nnx.capture(nnx.Intermediate)` without a warning;
+    outside a capture, flax >= 0.12.8 deprecates `Module.sow` (its DeprecationWarning).
+
     Returns:
       Output of shape `[batch..., q_length, num_heads, v_depth_per_head]`.
     """

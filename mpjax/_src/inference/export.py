@@ -6,8 +6,10 @@ and the converted variables. It can be lowered for platforms other than the one 
 exporter runs on (`platforms=("cpu", "cuda")` from a CPU machine) and is called with
 `load_inference(blob)(x)` on any of them.
 
-Pallas kernels (the fused epilogue of a folded `mpjax.nn.ConvBN`, `impl="auto"`): a CUDA
-artifact carries them as Triton custom calls, which JAX does not promise to load on a
+Pallas kernels (the fused epilogue of a folded `mpjax.nn.ConvBN`, `impl="auto"` up to jax 0.10,
+where JAX does not deprecate the Triton backend; `epilogue_impl="pallas"` on any jax): a CUDA
+artifact carries them as Triton custom calls (lowered from a CPU machine for an H100 on jax >=
+0.11, which asks for an abstract GPU device), which JAX does not promise to load on a
 different jaxlib; and JAX cannot lower them for several platforms in one artifact
 (jax-ml/jax#28594), so export one artifact per platform or convert with
 `epilogue_impl="xla"` for a ("cpu", "cuda") one.
@@ -34,6 +36,7 @@ import numpy as np
 from flax import serialization
 
 from mpjax._src.inference.convert import InferenceModel, convert_for_inference
+from mpjax._src.kernels.gpu_target import abstract_gpu
 
 __all__ = ["LoadedInference", "export_inference", "load_inference", "serialize_inference"]
 
@@ -99,7 +102,8 @@ def export_inference(
     checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON)] if allow_pallas_kernels else []
     exporter = jax.export.export(jax.jit(model.apply), platforms=plats, disabled_checks=checks)
     try:
-        return exporter(var_specs, *in_specs)
+        with abstract_gpu(plats):  # jax >= 0.11: the Triton lowering names a GPU, none here
+            return exporter(var_specs, *in_specs)
     except ValueError as e:
         if "Only interpret mode is supported" not in str(e):
             raise

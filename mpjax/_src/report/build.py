@@ -244,7 +244,9 @@ def report(fn, *args, target: str | None = None, memory_plan: Any = None, **kwar
 
     The precision each dot/convolution asks for comes from the lowered program; what runs,
     the converts, the collectives and the memory come from the optimized one. XLA:CPU runs
-    bfloat16 and float16 GEMMs in float32 (`runs_as`); a GPU target runs them as asked.
+    float16 GEMMs in float32 (`runs_as`), and bfloat16 ones too up to jaxlib 0.10 (from 0.12
+    it runs bfloat16 dots in bfloat16, convolutions still in float32); a GPU target runs them
+    as asked.
 
     Args:
       fn: the step (a function or a `jax.jit`-wrapped one; non-array arguments go in with

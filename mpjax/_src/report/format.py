@@ -80,7 +80,7 @@ def cpu_note(report) -> str | None:
         return None
     return (
         f"On {report.target}: the dtypes asked for, FLOPs, converts, collectives and memory "
-        "are this program's.\nXLA:CPU runs float16/bfloat16 GEMMs in float32 ('runs as') "
+        "are this program's.\nXLA:CPU may run float16/bfloat16 GEMMs in float32 ('runs as') "
         "and has no GPU time model\n(roofline n/a): compile for target='h100' to see what "
         "a GPU runs."
     )

@@ -20,7 +20,8 @@ class Gemm:
       direction: `"forward"` or `"backward"` (a transposed op of `jax.grad`).
       lhs_dtype, rhs_dtype, out_dtype: what the program asks for (the lowered HLO).
       runs_as: the operand dtype the compiled target runs (the wider operand's); `None` when
-        the compiler turned the op into something else. XLA:CPU runs bf16/f16 GEMMs in float32.
+        the compiler turned the op into something else. XLA:CPU runs f16 GEMMs in float32, and
+        bf16 ones too up to jaxlib 0.10 (0.12 runs bf16 dots in bf16, bf16 convolutions in f32).
       flops: 2 x multiply-adds, of the whole program.
       device_flops: those of the op that runs it on one device (`flops` divided by its
         shards under SPMD partitioning); `None` with `runs_as`.
