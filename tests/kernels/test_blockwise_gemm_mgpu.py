@@ -205,3 +205,35 @@ def test_explicit_native_lowering_takes_the_mosaic_kernel_and_auto_does_not():
     # forward, input gradient, weight gradient: each the Mosaic GPU kernel on a CUDA GPU
     assert native.count(call) == 3, native.count(call)
     assert mgpu.KERNEL_NAME not in jaxpr("auto")  # auto (emulated on a CPU) never picks it
+
+
+def test_auto_keeps_the_mosaic_kernel_where_jax_deprecates_only_triton(monkeypatch):
+    """`impl="auto"` stages the Mosaic GPU kernel for CUDA on every jax (the Triton kernel
+    falls back to the XLA reference where JAX deprecates Pallas Triton, from 0.11), so
+    `block_lowering="native"` runs the new kernel on the newest JAX too."""
+    from mpjax._src.kernels import blockwise_gemm
+    from mpjax._src.kernels.dispatch import TRITON_DEPRECATED, dispatch
+
+    x = jnp.ones(3)
+
+    def staged(triton):
+        fn = lambda x: dispatch("f", "auto", (x,), kernel=lambda x, interpret: jnp.sin(x),
+                                reference=jnp.cos, triton=triton)  # fmt: skip
+        return "sin" in str(jax.make_jaxpr(fn)(x))
+
+    assert staged(triton=False)
+    assert staged(triton=True) == (not TRITON_DEPRECATED)
+    # the blockwise GEMM tells dispatch which backend its kernel lowers through
+    monkeypatch.setattr(blockwise_gemm, "_hopper_or_deviceless", lambda: True)
+    seen = []
+
+    def recording(*a, triton=True, **kw):
+        seen.append(triton)
+        return dispatch(*a, triton=triton, **kw)
+
+    monkeypatch.setattr(blockwise_gemm, "dispatch", recording)
+    args = _operands(128, 128, 256)
+    for kernel in ("mosaic_gpu", "triton"):
+        jax.eval_shape(lambda *a, k=kernel: blockwise_fp8_gemm(*a, kernel=k), *args)
+    assert set(seen) == ({False, True} if mgpu.KERNEL_AVAILABLE else {True}), seen
+    assert seen[0] is (not mgpu.KERNEL_AVAILABLE) and seen[-1] is True, seen

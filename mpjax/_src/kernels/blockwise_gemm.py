@@ -347,6 +347,7 @@ def blockwise_fp8_gemm(
             kernel=body,
             reference=functools.partial(blockwise_fp8_gemm_reference, out_dtype=out_dtype),
             unsupported=unsupported,
+            triton=kernel == "triton",
         )
 
     if _sharded_explicitly(a, b):  # sharding in the types: shard_map over the same split

@@ -7,9 +7,10 @@ runs on a CUDA GPU, the XLA reference elsewhere; unsupported inputs go to XLA on
 
 The kernels are written for Pallas's Triton backend, which JAX deprecates from 0.11 (every
 lowering warns "The Pallas Triton backend is deprecated ..."). On those versions
-(`TRITON_DEPRECATED`) `"auto"` runs the XLA reference on every platform, so nothing mpjax picks
-by itself lowers through the deprecated backend; `impl="pallas"` still lowers the Triton
-kernel, with JAX's warning.
+(`TRITON_DEPRECATED`) `"auto"` runs the XLA reference on every platform for a Triton kernel,
+so nothing mpjax picks by itself lowers through the deprecated backend; `impl="pallas"` still
+lowers the Triton kernel, with JAX's warning. A Mosaic GPU kernel (`triton=False`: the Hopper
+blockwise GEMM) is not affected.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def dispatch(
     kernel: Callable[..., Any],
     reference: Callable[..., Any],
     unsupported: str | None = None,
+    triton: bool = True,
 ) -> Any:
     """Runs `kernel` or `reference` on `args` as `impl` asks.
 
@@ -63,6 +65,8 @@ def dispatch(
       reference: `reference(*args)`, the XLA implementation; same outputs as `kernel`.
       unsupported: None if the kernel takes these inputs, else the reason it does not.
         "auto" then uses the reference; "pallas" and "interpret" raise a ValueError.
+      triton: whether `kernel` lowers through Pallas's Triton backend (for "auto": the
+        reference where JAX deprecates it); False for a Mosaic GPU kernel.
 
     Returns:
       The outputs of the chosen implementation.
@@ -78,7 +82,7 @@ def dispatch(
         return kernel(*args, interpret=True)
     if impl == "pallas":
         return kernel(*args, interpret=False)
-    if TRITON_DEPRECATED:
+    if TRITON_DEPRECATED and triton:
         return reference(*args)
     return jax.lax.platform_dependent(
         *args, cuda=lambda *a: kernel(*a, interpret=False), default=reference
