@@ -10,13 +10,12 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax import Fp8Recipe
-from mpjax._src.fp8.orientations import QUANTIZE_NAME
 from mpjax.fp8 import WeightCopies, block_scaled_dot_general, quantize_blocks, weight_copies
+from tests.helpers.fp8 import assert_equal_trees, quantize_shapes
 from tests.helpers.sharding import AXIS, make_mesh
 
 SCALINGS = ("mxfp8", "nvfp4", "blockwise")
@@ -50,29 +49,7 @@ def _params():
     return MODEL.init(jax.random.key(1), _data())
 
 
-def _quantize_shapes(jaxpr, counts=None, inside=None):
-    """{shape of the quantised tensor: count} of the named quantise calls of a jaxpr and its
-    sub-jaxprs; `inside`: only those under an equation of that primitive."""
-    counts = {} if counts is None else counts
-    for eqn in jaxpr.eqns:
-        if eqn.params.get("name") == QUANTIZE_NAME and eqn.invars and inside is None:
-            shape = tuple(eqn.invars[0].aval.shape)
-            counts[shape] = counts.get(shape, 0) + 1
-            continue
-        below = None if inside == eqn.primitive.name else inside
-        for sub in jaxprs_in_params(eqn.params):
-            _quantize_shapes(sub, counts, below)
-    return counts
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
-
-
-def _assert_equal_trees(got, want):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+_quantize_shapes, _assert_equal_trees = quantize_shapes, assert_equal_trees
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)

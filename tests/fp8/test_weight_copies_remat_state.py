@@ -9,13 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
-from jax.extend.core import jaxprs_in_params
 
 import mpjax
 from mpjax import Fp8Recipe
-from mpjax._src.fp8.orientations import QUANTIZE_NAME
 from mpjax._src.kernels.dispatch import jax_version
 from mpjax.fp8 import WeightCopies, weight_copies
+from tests.helpers.fp8 import assert_equal_trees, bits, quantize_shapes
 
 SCALINGS = ("mxfp8", "nvfp4", "blockwise")
 TOKENS = 256
@@ -44,29 +43,7 @@ def _params():
     return _Mlp().init(jax.random.key(1), _data())
 
 
-def _quantize_shapes(jaxpr, counts=None, inside=None):
-    """{shape of the quantised tensor: count} of the named quantise calls of a jaxpr and its
-    sub-jaxprs; `inside`: only those under an equation of that primitive."""
-    counts = {} if counts is None else counts
-    for eqn in jaxpr.eqns:
-        if eqn.params.get("name") == QUANTIZE_NAME and eqn.invars and inside is None:
-            shape = tuple(eqn.invars[0].aval.shape)
-            counts[shape] = counts.get(shape, 0) + 1
-            continue
-        below = None if inside == eqn.primitive.name else inside
-        for sub in jaxprs_in_params(eqn.params):
-            _quantize_shapes(sub, counts, below)
-    return counts
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
-
-
-def _assert_equal_trees(got, want):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+_quantize_shapes, _assert_equal_trees = quantize_shapes, assert_equal_trees
 
 
 D, H = 64, 128
@@ -166,7 +143,7 @@ def test_a_state_holding_copies_round_trips_through_to_bytes(scaling):
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
     # the restored copies serve the GEMMs as the originals did
     fast = mpjax.autocast(_loss_fn, fp8=_recipe(scaling), fp8_weights=restored["copies"])
     _assert_equal_trees(jax.grad(fast)(params, x), jax.grad(loss)(params, x))

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
+from jax.extend.core import Literal, jaxprs_in_params
 
 from mpjax import Fp8Recipe
 
@@ -97,3 +97,31 @@ def _nan_grad(where):
 
     ident.defvjp(lambda h: (h, None), bwd)
     return ident
+
+
+def quantize_shapes(jaxpr, counts=None, inside=None):
+    """{shape of the quantised tensor: count} of the named quantise calls of a jaxpr and its
+    sub-jaxprs; `inside`: only those under an equation of that primitive."""
+    from mpjax._src.fp8.orientations import QUANTIZE_NAME
+
+    counts = {} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("name") == QUANTIZE_NAME and eqn.invars and inside is None:
+            shape = tuple(eqn.invars[0].aval.shape)
+            counts[shape] = counts.get(shape, 0) + 1
+            continue
+        below = None if inside == eqn.primitive.name else inside
+        for sub in jaxprs_in_params(eqn.params):
+            quantize_shapes(sub, counts, below)
+    return counts
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def assert_equal_trees(got, want):
+    """Every leaf of `got` equals `want`'s bit for bit (fp8 leaves compared as bytes)."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
