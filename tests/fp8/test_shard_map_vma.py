@@ -43,7 +43,10 @@ def test_invariant_weight_gets_the_summed_gradient(scaling):
         return np.asarray(jax.jit(f)(put(x, P("x")), put(w, P())))
 
     got, want = grads(fp8), grads(plain)
-    np.testing.assert_allclose(want, jax.grad(loss, 1)(x, w, plain), rtol=1e-5, atol=1e-5)
+    # the plain sharded gradient is the unsharded one up to float32 summation order (relative
+    # to the gradient's scale: an entry near zero among entries near 100 differs in ~1e-5)
+    unsharded = np.asarray(jax.grad(loss, 1)(x, w, plain))
+    np.testing.assert_allclose(want, unsharded, rtol=1e-5, atol=1e-6 * np.abs(unsharded).max())
     # each device quantises its own rows (per-shard scales): the sum over the 8 devices is
     # the plain gradient to fp8 accuracy; one device's share alone would be ~1/8 of it
     scale = np.abs(want).max()

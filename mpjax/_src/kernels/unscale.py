@@ -68,10 +68,10 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
     """Unscales a gradient pytree to float32 and checks it for inf/NaN in one pass.
 
     Floating leaves (float16, bfloat16, float32; float64 stays float64) become
-    `g.astype(float32) * (1 / loss_scale)` with the reciprocal rounded once, which is what XLA
-    makes of `g / loss_scale` (its algebraic simplifier rewrites a division by a broadcast
-    scalar); for power-of-two scales, such as `DynamicLossScale`'s, it is exactly
-    `g / loss_scale`. Other leaves pass through. The flag is whether every unscaled value is
+    `g.astype(float32) * (1 / loss_scale)` with the reciprocal rounded once, on every backend
+    and jax version (XLA's own rewrite of `g / loss_scale` into that product changed with
+    jaxlib 0.12.1, so the reference writes the product); for power-of-two scales, such as
+    `DynamicLossScale`'s, it is exactly `g / loss_scale`. Other leaves pass through. The flag is whether every unscaled value is
     finite. Drop-in for `mpjax.loss_scaled(..., unscale_and_check=...)`.
 
     Args:
@@ -139,7 +139,7 @@ def all_finite_unscaled(grads: Any, loss_scale: Any, *, impl: str = "auto") -> j
 
 
 def xla_unscale_and_check(grads: Any, loss_scale: Any) -> tuple[Any, jax.Array]:
-    """The XLA reference of `unscale_and_check`: `g.astype(float32) / loss_scale`, then the check.
+    """The XLA reference of `unscale_and_check`: `g.astype(float32) * (1 / loss_scale)`, then the check.
 
     Args:
       grads: a pytree of (scaled) gradients.
@@ -174,7 +174,7 @@ def _prepare(where: str, grads: Any, loss_scale: Any) -> tuple:
 
 
 def _xla_unscale_leaves(grads: list, scale: jax.Array) -> tuple[list, jax.Array]:
-    unscaled = [g.astype(wide_dtype(g.dtype)) / scale.astype(wide_dtype(g.dtype)) for g in grads]
+    unscaled = [g.astype(wide_dtype(g.dtype)) * (1 / scale.astype(wide_dtype(g.dtype))) for g in grads]
     return unscaled, _all_finite(unscaled)
 
 
