@@ -242,7 +242,7 @@ def _compile(program, target: str, split: str, seconds: dict):
         lowered = lower_step(
             program.step,
             (state, jax.eval_shape(program.batch, key)),
-            jax.sharding.SingleDeviceSharding(device),
+            jax.sharding.make_single_device_sharding(device),
         )
     else:
         mesh = _mesh(topology, layout)

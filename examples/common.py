@@ -22,6 +22,7 @@ __all__ = [
     "PRECISIONS",
     "RunResult",
     "format_table",
+    "jit_on_this_backend",
     "loss_scale_for",
     "optimizer_with_state",
     "divergence_check",
@@ -43,6 +44,20 @@ PRECISIONS: dict[str, tuple[str, str]] = {
 
 
 DEFAULT_PRECISIONS = ("fp32", "bf16", "fp16")
+
+# XLA:CPU in jaxlib 0.12 fuses a bf16 network's convolutions, ReLUs and reductions into one
+# YNNPACK graph that computes NaN when two ReLUs share one broadcast zero (the digits ResNet's
+# inference: NaN logits, eagerly 99 %); no YNNPACK fusions there, nothing changed elsewhere.
+# Found 2026-12-06 on jaxlib 0.12.1; reproducer: tests/integration/test_xla_cpu_bf16.py.
+XLA_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def jit_on_this_backend(fn: Callable, **kwargs: Any) -> Callable:
+    """`jax.jit(fn, **kwargs)`, on XLA:CPU without its YNNPACK fusions (`XLA_CPU_OPTIONS`)."""
+    if jax.default_backend() == "cpu":
+        kwargs["compiler_options"] = {**XLA_CPU_OPTIONS, **kwargs.get("compiler_options", {})}
+    return jax.jit(fn, **kwargs)
+
 
 # --optimizer-state: the optimizer's state in float32, or by `mpjax.low_precision_state`
 # in bfloat16 (rounded stochastically, "bf16", or to nearest, "bf16-nearest") or in 8 bits

@@ -38,6 +38,7 @@ from examples.common import (
     RunResult,
     divergence_check,
     format_table,
+    jit_on_this_backend,
     loss_scale_for,
     optimizer_with_state,
     plot_runs,
@@ -300,7 +301,13 @@ def make_train_fns(
     def predict(params, batch_stats, x):
         return model.apply({"params": params, "batch_stats": batch_stats}, x, train=False)
 
-    return TrainFns(model, tx, jax.jit(init), jax.jit(step, donate_argnums=0), jax.jit(predict))
+    return TrainFns(
+        model,
+        tx,
+        jit_on_this_backend(init),
+        jit_on_this_backend(step, donate_argnums=0),
+        jit_on_this_backend(predict),
+    )
 
 
 def _batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int) -> Iterator:

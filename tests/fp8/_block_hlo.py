@@ -73,7 +73,7 @@ def lowered_step(target: Path, scaling: str, lowering: str = "native", placed: s
     device (`"device"`), on a one-device mesh of it (`"mesh"`), or through mpjax's
     `lower_step` (`"lower_step"`, what `mpjax.report` compiles with)."""
     device = h100_topology(target=target).devices[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = jax.sharding.make_single_device_sharding(device)
     if placed == "mesh":
         mesh = jax.sharding.Mesh(np.array([device]), ("x",))
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -35,7 +35,7 @@ DIMS = (((1,), (0,)), ((), ()))
 def _kernels(fn, *shapes):
     device = h100_topology(target=B200_TARGET).devices[0]
     args = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes)
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = jax.sharding.make_single_device_sharding(device)
     text = lower_step(fn, args, sharding, donate_argnums=()).compile().as_text()
     return hlo_cost.analyze(text).kernels
 

@@ -94,7 +94,7 @@ def routing() -> dict:
     )
     out = {}
     for name, target in (("h100", H100_TARGET), ("b200", B200_TARGET)):
-        sharding = jax.sharding.SingleDeviceSharding(h100_topology(target=target).devices[0])
+        sharding = jax.sharding.make_single_device_sharding(h100_topology(target=target).devices[0])
         text = lower_step(
             jax.value_and_grad(loss, (0, 1)), args, sharding, donate_argnums=()
         ).as_text()

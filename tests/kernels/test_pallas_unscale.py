@@ -57,6 +57,33 @@ def test_matches_xla_and_float64(dtype, use_jit):
         np.testing.assert_allclose(np.asarray(out[k], np.float64), ref[k], rtol=2.5e-7)
 
 
+@pytest.mark.parametrize("scale", [3.0, 1000.0, 2.0**-126, 2.0**126, 2.0**127, 3.0e38])
+def test_every_path_unscales_by_the_rounded_reciprocal_bit_for_bit(scale):
+    # g * (1 / scale) with the reciprocal rounded once (GradScaler's arithmetic), the same in
+    # the kernel, the XLA reference, unscale_tree and loss_scaled on every jax version (XLA
+    # rewrites g / scale into this product on some versions only). Above 2**126 the reciprocal
+    # is subnormal and would be flushed to zero: the gradients would silently read 0.
+    rng = np.random.default_rng(9)
+    magnitude = 1e30 if scale >= 1 else 1e-2  # results stay finite and normal
+    g = {"a": jnp.asarray((rng.standard_normal(300) * magnitude).astype(np.float32))}
+    s = jnp.float32(scale)
+    big = scale > 2.0**126
+    want = (np.asarray(g["a"]) * np.float32(0.25 if big else 1)) * (
+        np.float32(1) / (np.float32(scale) * np.float32(0.25 if big else 1))
+    )
+    exact = np.asarray(g["a"], np.float64) / np.float64(np.float32(scale))
+    np.testing.assert_allclose(want, exact, rtol=2.5e-7)  # the reference itself
+    paths = {
+        "interpret": lambda: unscale_and_check(g, s, impl="interpret")[0]["a"],
+        "interpret-jit": lambda: _interpret(g, s)[0]["a"],
+        "xla": lambda: xla_unscale_and_check(g, s)[0]["a"],
+        "xla-jit": lambda: jax.jit(xla_unscale_and_check)(g, s)[0]["a"],
+        "unscale_tree-jit": lambda: jax.jit(mpjax.scaling.unscale_tree)(g, s)["a"],
+    }
+    for name, run in paths.items():
+        np.testing.assert_array_equal(np.asarray(run()), want, err_msg=name)
+
+
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("where", ["first", "middle", "last", "tiny"])
 def test_non_finite_anywhere_flips_the_flag(where, bad):

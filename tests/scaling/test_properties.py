@@ -265,6 +265,13 @@ def _keeps_master(setup: Setup, dtype: np.dtype) -> bool:
     return setup.master is True or (setup.master == "auto" and dtype.itemsize < 4)
 
 
+def _unscale(g: np.ndarray, scale: np.float32) -> np.ndarray:
+    """GradScaler's unscale: a multiply by the float32 reciprocal, rounded once; a scale above
+    2**126 (subnormal reciprocal) goes through a quarter first."""
+    p = np.float32(0.25 if scale > 2.0**126 else 1.0)
+    return (g * p) * (np.float32(1) / (scale * p))
+
+
 def reference_model(case: Case, params, true_grads, masks, values):
     """The algorithm in plain numpy, float32 arithmetic, SGD inner; one record per step.
 
@@ -295,7 +302,7 @@ def reference_model(case: Case, params, true_grads, masks, values):
             for k in NAMES:
                 g = (true_grads[k][t] * scale).astype(dtypes[k])
                 g[masks[k][t]] = values[k][t][masks[k][t]].astype(dtypes[k])
-                unscaled[k] = g.astype(np.float32) / scale
+                unscaled[k] = _unscale(g.astype(np.float32), scale)
             finite = all(bool(np.all(np.isfinite(u))) for u in unscaled.values())
             candidates = {}
             for k in NAMES:

@@ -49,7 +49,7 @@ def target_cudnn(version: int = H100_CUDNN_VERSION) -> Iterator[None]:
     try:
         check()
         found = True
-    except RuntimeError:  # "cuDNN is not detected." / "cuDNN not found."
+    except (RuntimeError, SystemError):  # "cuDNN not found."; the CUDA 13 plugin: SystemError
         found = False
     if found:
         yield
@@ -76,13 +76,13 @@ def h100_topology(topology: str = "1x1x1", target: Path = H100_TARGET) -> Any:
 
 def h100_sharding() -> jax.sharding.Sharding:
     """The single-device sharding of a deviceless H100 (raises if the plugin is missing)."""
-    return jax.sharding.SingleDeviceSharding(h100_topology().devices[0])
+    return jax.sharding.make_single_device_sharding(h100_topology().devices[0])
 
 
 def lower_step(step, args, sharding, donate_argnums=(0,)):
     """`jax.jit(step)` lowered for the deviceless target on abstract `args`.
 
-    On one device (`SingleDeviceSharding`) the trace runs under that device's one-device
+    On one device (a single-device sharding) the trace runs under that device's one-device
     abstract mesh, so that what is traced can tell which GPU it is for (the operands of a
     multi-device `NamedSharding` carry their mesh already): `block_lowering="auto"` then
     lowers as on that GPU.
@@ -94,8 +94,8 @@ def lower_step(step, args, sharding, donate_argnums=(0,)):
 
 @contextlib.contextmanager
 def _device_in_context(sharding) -> Iterator[None]:
-    """The one-device abstract mesh of a `SingleDeviceSharding`'s device, in context."""
-    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    """The one-device abstract mesh of a single-device sharding's device, in context."""
+    if isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.device_set) != 1:
         yield
         return
     import numpy as np

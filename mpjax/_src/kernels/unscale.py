@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mpjax._src.core.dtypes import is_floating, wide_dtype
+from mpjax._src.core.dtypes import is_floating, unscale, unscale_factors, wide_dtype
 from mpjax._src.kernels.common import (
     MAX_ELEMENTS,
     compiler_params,
@@ -68,11 +68,12 @@ def unscale_and_check(grads: Any, loss_scale: Any, *, impl: str = "auto") -> tup
     """Unscales a gradient pytree to float32 and checks it for inf/NaN in one pass.
 
     Floating leaves (float16, bfloat16, float32; float64 stays float64) become
-    `g.astype(float32) * (1 / loss_scale)` with the reciprocal rounded once, on every backend
-    and jax version (XLA's own rewrite of `g / loss_scale` into that product changed with
-    jaxlib 0.12.1, so the reference writes the product); for power-of-two scales, such as
-    `DynamicLossScale`'s, it is exactly `g / loss_scale`. Other leaves pass through. The flag is whether every unscaled value is
-    finite. Drop-in for `mpjax.loss_scaled(..., unscale_and_check=...)`.
+    `g.astype(float32) * (1 / loss_scale)` with the reciprocal rounded once (`GradScaler`'s
+    arithmetic), the same on every backend and jax version; for power-of-two scales, such as
+    `DynamicLossScale`'s, it is exactly `g / loss_scale`. A scale above 2**126, whose
+    reciprocal is subnormal, unscales through a power of two first (`unscale_factors`). Other
+    leaves pass through. The flag is whether every unscaled value is finite. Drop-in for
+    `mpjax.loss_scaled(..., unscale_and_check=...)`.
 
     Args:
       grads: a pytree of gradients (of the scaled loss).
@@ -139,7 +140,7 @@ def all_finite_unscaled(grads: Any, loss_scale: Any, *, impl: str = "auto") -> j
 
 
 def xla_unscale_and_check(grads: Any, loss_scale: Any) -> tuple[Any, jax.Array]:
-    """The XLA reference of `unscale_and_check`: `g.astype(float32) * (1 / loss_scale)`, then the check.
+    """The XLA reference of `unscale_and_check`: `g.astype(float32) * (1 / loss_scale)`, checked.
 
     Args:
       grads: a pytree of (scaled) gradients.
@@ -174,7 +175,9 @@ def _prepare(where: str, grads: Any, loss_scale: Any) -> tuple:
 
 
 def _xla_unscale_leaves(grads: list, scale: jax.Array) -> tuple[list, jax.Array]:
-    unscaled = [g.astype(wide_dtype(g.dtype)) * (1 / scale.astype(wide_dtype(g.dtype))) for g in grads]
+    unscaled = [
+        unscale(g.astype(wide_dtype(g.dtype)), scale.astype(wide_dtype(g.dtype))) for g in grads
+    ]
     return unscaled, _all_finite(unscaled)
 
 
@@ -240,12 +243,13 @@ def _call(grads: list, scales: dict, interpret: bool, write: bool) -> tuple[list
     nscales = len(scale_dtypes)
 
     def kernel(*refs):
-        # One reciprocal per compute dtype, rounded once in that dtype (as XLA does), computed
-        # in the kernel: a separate XLA op would cost one more launch per step.
-        inverses = {
-            d: reciprocal(ref[...], interpret=interpret)
-            for d, ref in zip(scale_dtypes, refs[:nscales], strict=True)
-        }
+        # One reciprocal per compute dtype, rounded once in that dtype, computed in the
+        # kernel (a separate XLA op would cost one more launch per step); `unscale_factors`'s
+        # arithmetic, with the GPU's correctly rounded reciprocal.
+        factors = {}
+        for d, ref in zip(scale_dtypes, refs[:nscales], strict=True):
+            p, _ = unscale_factors(ref[...])
+            factors[d] = (p, reciprocal(ref[...] * p, interpret=interpret))
         refs = refs[nscales:]
         x_refs, o_refs, flag_ref = refs[:k], refs[k : k + nout], refs[k + nout]
         pid = pl.program_id(0)
@@ -257,7 +261,8 @@ def _call(grads: list, scales: dict, interpret: bool, write: bool) -> tuple[list
                 mask = offsets(b, 0, (b,), pid - starts[j]) < sizes[j]
                 # Loaded in the leaf's own dtype, widened in registers.
                 x = pltriton.load(x_refs[j], mask=mask, other=0).astype(dtype)
-                u = x * jnp.broadcast_to(inverses[dtype], (b,))
+                p, r = factors[dtype]
+                u = (x * jnp.broadcast_to(p, (b,))) * jnp.broadcast_to(r, (b,))
                 if write:
                     pltriton.store(o_refs[j], u, mask=mask)
                 ok = jnp.where(mask, jnp.isfinite(u), True).astype(jnp.int32)

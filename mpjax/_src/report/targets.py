@@ -82,7 +82,7 @@ def place_args(tree: Any, target: Target) -> Any:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             return leaf
         if len(target.devices) == 1:
-            sharding = jax.sharding.SingleDeviceSharding(target.devices[0])
+            sharding = jax.sharding.make_single_device_sharding(target.devices[0])
         else:
             sharding = _named(leaf, target.devices)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)

@@ -17,6 +17,7 @@ import numpy as np
 
 from mpjax._src.core.dataclass import _replace, field, pytree_dataclass
 from mpjax._src.core.dtypes import is_floating as _is_floating
+from mpjax._src.core.dtypes import unscale as _unscale
 from mpjax._src.core.dtypes import wide_dtype as _wide_dtype
 from mpjax._src.scaling.leaves import _check_flag, _map_floating, _widen_tree
 
@@ -98,14 +99,16 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
 def unscale_tree(tree: Any, loss_scale: jax.Array) -> Any:
     """Divides every floating leaf (and Python number) by `loss_scale`, in at least float32.
 
-    Int and bool leaves pass through; complex and non-numeric leaves raise a TypeError
-    naming the leaf.
+    The division is a multiply by `1 / loss_scale` rounded once, as `torch.amp.GradScaler`'s
+    and `mpjax.pallas.unscale_and_check`'s (exactly `g / loss_scale` for a power of two; see
+    `mpjax._src.core.dtypes.unscale_factors`). Int and bool leaves pass through; complex and
+    non-numeric leaves raise a TypeError naming the leaf.
     """
     loss_scale = jnp.asarray(loss_scale, jnp.float32)
 
     def unscale(g):
         wide = _wide_dtype(g.dtype)
-        return g.astype(wide) / loss_scale.astype(wide)
+        return _unscale(g.astype(wide), loss_scale.astype(wide))
 
     return _map_floating(unscale, tree, "unscale")
 
