@@ -33,16 +33,19 @@ def gpu_aot_env() -> dict:
     return env
 
 
-def _run_json(script: str, *args: str, tmp: Path) -> dict:
+def _run_json(
+    script: str, *args: str, tmp: Path, env: dict | None = None, timeout: int = 1200
+) -> dict:
+    """`script *args --json FILE` under the gpu-aot python (`env`: variables added to
+    `gpu_aot_env()`); the JSON it wrote."""
     out = tmp / f"{Path(script).stem}.json"
-    env = gpu_aot_env()
     proc = subprocess.run(
         [_gpu_aot_python(), str(ROOT / script), *args, "--json", str(out)],
         cwd=ROOT,
-        env=env,
+        env={**gpu_aot_env(), **(env or {})},
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=timeout,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

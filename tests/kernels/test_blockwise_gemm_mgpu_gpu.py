@@ -8,37 +8,21 @@ only. The wide LM's whole step: benchmarks/tests/test_mosaic_gpu_wide_step.py.
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 
 import pytest
 
 from mpjax._src.analysis.hlo_flops import BLOCKWISE_GEMM
 from mpjax._src.kernels.blockwise_gemm_mgpu import KERNEL_NAME
-from tests.helpers.gpu import ROOT, _gpu_aot_python, gpu_aot_env
+from tests.helpers.gpu import _run_json
 
 
 def _compile(tmp, *args: str) -> dict:
-    out, dumps = tmp / "mgpu.json", tmp / "dumps"
+    dumps = tmp / "dumps"
     dumps.mkdir()
-    env = dict(
-        gpu_aot_env(),
-        MOSAIC_GPU_DUMP_PTX="1",
-        MOSAIC_GPU_DUMP_PTXAS="1",
-        MOSAIC_GPU_DUMP_TO=str(dumps),
-    )
-    proc = subprocess.run(
-        [_gpu_aot_python(), str(ROOT / "tests/kernels/_mgpu_hlo.py"), *args, "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    env = {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1"}
+    env["MOSAIC_GPU_DUMP_TO"] = str(dumps)
+    return _run_json("tests/kernels/_mgpu_hlo.py", *args, tmp=tmp, env=env, timeout=1800)
 
 
 @pytest.fixture(scope="module")
