@@ -234,6 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seeds", type=int, default=1, help="seeds per precision (mean ± std)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per run")
+    p.add_argument("--width", type=int, default=d.width, help="convolution channels")
+    p.add_argument("--blocks", type=int, default=d.num_blocks, help="residual blocks")
     p.add_argument("--png", default="results/underflow.png", help="where to write the plot")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.add_argument("--plot", help="only write the gradients' log2 histogram (mpjax.numerics) here")
@@ -248,8 +250,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     if not args.loss_multiplier > 0:
         raise SystemExit(f"--loss-multiplier must be > 0, got {args.loss_multiplier}")
+    model = {"width": args.width, "num_blocks": args.blocks}
     if args.plot:
-        result = plot_gradient_histogram(args.plot, loss_multiplier=args.loss_multiplier)
+        result = plot_gradient_histogram(args.plot, loss_multiplier=args.loss_multiplier, **model)
         print(result)
         print(f"\nwrote {args.plot}")
         return []
@@ -259,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         png=args.png,
         progress=not args.no_progress,
         steps=args.steps,
+        **model,
     )
     print()
     print(table)

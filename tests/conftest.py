@@ -1,5 +1,5 @@
-"""Test set-up: 8 simulated CPU devices (set before jax is imported), a fixed hypothesis profile,
-one persistent compilation cache per session."""
+"""Test set-up: 8 simulated CPU devices and XLA:CPU's compile flags (set before jax is imported),
+a fixed hypothesis profile, one persistent compilation cache per session."""
 
 import os
 import shutil
@@ -8,9 +8,20 @@ import tempfile
 # 8 simulated devices, and XLA:CPU's thread pool twice that (its size from NPROC): a pool of
 # exactly the device count can deadlock a collective on a loaded machine
 # (examples/data_parallel.py's simulated_device_env says how).
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# XLA:CPU compiles each program as one LLVM module (not split for a thread pool that two
+# xdist workers on two cores keep busy anyway) and without LLVM's expensive optimisation passes
+# (vectorisation, unrolling): the tests are mostly compile time (a char-LM training test spends
+# 18.4 of its 21.6 s in XLA's compiler), and neither changes a result bit (measured: the
+# examples' trained metrics, the scaling and kernel tests). The GPU compiles of
+# tests/helpers/gpu.py drop both (ptxas-bound there, and slower without the LLVM passes).
+_FLAGS = (
+    "--xla_force_host_platform_device_count=8",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+for _flag in _FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("NPROC", "16")
 
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -24,12 +24,28 @@ def _gpu_aot_python() -> str:
     pytest.skip(f"{ENV_PYTHON} is not set: no gpu-aot environment for the deviceless compile")
 
 
+# XLA:CPU flags of the test session (tests/conftest.py) that a GPU compile does not take.
+CPU_ONLY_FLAGS = ("--xla_llvm_disable_expensive_passes", "--xla_cpu_parallel_codegen_split_count")
+
+
 def gpu_aot_env() -> dict:
     """The environment of a gpu-aot child: CPU platform, this checkout importable, and not the
     session's persistent compilation cache (tests/conftest.py): JAX writes deviceless GPU
-    executables there but cannot load them back (a warning, then a compile, on every hit)."""
+    executables there but cannot load them back (a warning, then a compile, on every hit).
+
+    Inside a test session (its cache folder set) XLA:GPU keeps the kernels it compiles in a
+    kernel cache file there, one per xdist worker (a worker runs its children one at a time):
+    a later child's compile of the same fusion loads it instead of running LLVM and ptxas
+    again (measured: four ResNet rows of the cost model compile in 7.9 s instead of 15.8 s with
+    their kernels cached). What is compiled is the same program; only its compile time changes.
+    """
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    session = env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(CPU_ONLY_FLAGS)]
+    if session:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        flags.append(f"--xla_gpu_kernel_cache_file={Path(session) / f'gpu-kernels-{worker}.bin'}")
+    env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 

@@ -35,7 +35,7 @@ SHRINK = {
 SHRINK["train_digits.py"] += ["--width", "8", "--blocks", "1", "--no-progress"]
 SHRINK["train_char_lm.py"] += ["--seq-len", "16", "--d-model", "16", "--layers", "1"]
 SHRINK["train_char_lm.py"] += ["--heads", "2", "--max-bytes", "20000", "--no-progress"]
-SHRINK["underflow_demo.py"] += ["--no-progress"]
+SHRINK["underflow_demo.py"] += ["--width", "8", "--blocks", "1", "--no-progress"]
 
 
 def page_commands(text: str) -> list[list[str]]:

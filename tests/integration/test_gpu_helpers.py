@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.helpers import gpu
@@ -56,3 +58,26 @@ def test_gpu_aot_children_get_no_persistent_compilation_cache(monkeypatch):
     env = gpu.gpu_aot_env()
     assert "JAX_COMPILATION_CACHE_DIR" not in env
     assert env["JAX_PLATFORMS"] == "cpu" and env["PYTHONPATH"] == str(gpu.ROOT)
+
+
+def test_gpu_aot_children_share_a_kernel_cache_per_worker_and_drop_cpu_only_flags(monkeypatch):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/session/cache")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        "--xla_force_host_platform_device_count=8 --xla_llvm_disable_expensive_passes=true "
+        "--xla_cpu_parallel_codegen_split_count=1",
+    )
+    flags = gpu.gpu_aot_env()["XLA_FLAGS"].split()
+    assert flags == [
+        "--xla_force_host_platform_device_count=8",
+        "--xla_gpu_kernel_cache_file=/session/cache/gpu-kernels-gw1.bin",
+    ]
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")  # outside a test session: no cache file
+    assert gpu.gpu_aot_env()["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+
+
+def test_the_test_session_compiles_xla_cpu_in_one_module_without_expensive_llvm_passes():
+    flags = os.environ["XLA_FLAGS"].split()
+    assert "--xla_llvm_disable_expensive_passes=true" in flags
+    assert "--xla_cpu_parallel_codegen_split_count=1" in flags

@@ -10,12 +10,14 @@ import re
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
 import mpjax
 from mpjax._src.analysis import hlo_cost
 from mpjax._src.report.records import dtype_name
+from mpjax._src.report.targets import gpu_aot_install
 from tests.helpers.report import KEPT, gemm_counts, rule_step, sharded_step
 
 _HLO_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -142,9 +144,64 @@ def test_missing_gpu_aot_says_how_to_install(monkeypatch):
         raise RuntimeError("Unknown backend cuda")
 
     monkeypatch.setattr("mpjax._src.report.targets.h100_topology", no_plugin)
-    with pytest.raises(RuntimeError, match="pip install --no-deps jax-cuda12-plugin") as info:
+    with pytest.raises(RuntimeError, match="pip install --no-deps jax-cuda1") as info:
         mpjax.report(lambda x: x, jnp.ones(2), target="h100x8")
     assert "JAX_PLATFORMS=cpu" in str(info.value) and "Unknown backend cuda" in str(info.value)
+    assert f"-plugin=={jaxlib.__version__} " in str(info.value)  # the installed jaxlib's
+
+
+@pytest.mark.parametrize(
+    ("jaxlib_version", "wheels"),
+    [
+        ("0.10.2", "jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2"),
+        ("0.12.0.1", "jax-cuda12-plugin==0.12.0.1 jax-cuda12-pjrt==0.12.0.1"),
+        ("0.12.1", "jax-cuda13-plugin==0.12.1 jax-cuda13-pjrt==0.12.1"),
+        ("0.13.0", "jax-cuda13-plugin==0.13.0 jax-cuda13-pjrt==0.13.0"),
+    ],
+)
+def test_the_install_hint_names_the_plugin_wheels_of_that_jaxlib(jaxlib_version, wheels):
+    assert f"pip install --no-deps {wheels} " in gpu_aot_install(jaxlib_version)
+
+
+class _FailingCompile:
+    """A jitted function whose compile fails as XLA's deviceless cuDNN compile does on 0.12.1."""
+
+    __name__ = "attention_step"
+
+    def __init__(self, message):
+        self.message = message
+
+    def trace(self, *args, **kwargs):
+        return self
+
+    def lower(self):
+        return self
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError(self.message)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "FAILED_PRECONDITION: StreamExecutor is null and deviceless cuDNN compilation is not "
+        "enabled\n\nSuspected Python Code Location: ...",
+        "FAILED_PRECONDITION: Deviceless cuDNN compilation requires cuDNN >= 9.8; failed to "
+        "resolve cuDNN support for custom call: __cudnn$fmhaSoftmax",
+    ],
+)
+def test_a_deviceless_cudnn_failure_says_where_it_compiles(message):
+    with pytest.raises(RuntimeError, match="attention_step does not compile for cpu") as info:
+        mpjax.report(_FailingCompile(message), jnp.ones(2))
+    said = str(info.value)
+    assert message.split("\n")[0] in said
+    assert "jax-cuda12-plugin==0.10.2" in said and 'implementation="xla"' in said
+
+
+def test_other_compile_failures_get_no_cudnn_hint():
+    with pytest.raises(RuntimeError, match="does not compile") as info:
+        mpjax.report(_FailingCompile("RESOURCE_EXHAUSTED: out of memory"), jnp.ones(2))
+    assert str(info.value).endswith("JaxRuntimeError: RESOURCE_EXHAUSTED: out of memory")
 
 
 def test_a_function_that_does_not_compile_is_named_with_the_cause():

@@ -23,7 +23,7 @@ from mpjax._src.report.records import (
     to_plain,
     wider,
 )
-from mpjax._src.report.targets import place_args, resolve_target
+from mpjax._src.report.targets import compile_hint, place_args, resolve_target
 
 __all__ = ["UNNAMED", "Report", "build_report", "report"]
 
@@ -283,7 +283,7 @@ def report(fn, *args, target: str | None = None, memory_plan: Any = None, **kwar
         first = (str(err).strip().splitlines() or [""])[0]
         raise RuntimeError(
             f"mpjax.report: {_name(fn)} does not compile for {resolved.name}: "
-            f"{type(err).__name__}: {first}"
+            f"{type(err).__name__}: {first}{compile_hint(str(err))}"
         ) from err
     built = build_report(lowered, compiled, resolved.name, resolved.gpu)
     return dataclasses.replace(built, memory_plan=memory_plan)

@@ -19,13 +19,16 @@ import numpy as np
 
 from mpjax._src.analysis.target import h100_topology
 
-__all__ = ["GPU_AOT_INSTALL", "KNOWN_TARGETS", "Target", "place_args", "resolve_target"]
+__all__ = [
+    "KNOWN_TARGETS",
+    "Target",
+    "compile_hint",
+    "gpu_aot_install",
+    "place_args",
+    "resolve_target",
+]
 
 KNOWN_TARGETS = (None, "h100", "h100x2", "h100x4", "h100x8")
-GPU_AOT_INSTALL = (
-    "pip install --no-deps jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "
-    "(the gpu-aot extra, best in a separate environment) and run with JAX_PLATFORMS=cpu"
-)
 _H100 = re.compile(r"^h100(?:x(\d+))?$")
 
 
@@ -35,6 +38,36 @@ class Target(NamedTuple):
     name: str  # "cpu", "gpu", ..., "h100", "h100x8"
     devices: tuple  # the deviceless devices; () for the current backend
     gpu: bool  # a roofline estimate applies
+
+
+def gpu_aot_install(jaxlib_version: str | None = None) -> str:
+    """How to install the deviceless CUDA compiler matching `jaxlib_version` (the installed one).
+
+    The plugin wheels must be exactly jaxlib's version; jaxlib 0.12.1 ships CUDA 13 plugins only.
+    """
+    if jaxlib_version is None:
+        import jaxlib
+
+        jaxlib_version = jaxlib.__version__
+    release = tuple(int(p) for p in re.findall(r"\d+", jaxlib_version)[:3])
+    cuda = 13 if release >= (0, 12, 1) else 12
+    return (
+        f"pip install --no-deps jax-cuda{cuda}-plugin=={jaxlib_version} "
+        f"jax-cuda{cuda}-pjrt=={jaxlib_version} (the gpu-aot extra, best in a separate "
+        "environment) and run with JAX_PLATFORMS=cpu"
+    )
+
+
+def compile_hint(message: str) -> str:
+    """What to do about a deviceless compile error `message`; "" when mpjax knows nothing."""
+    if "deviceless cuDNN compilation" in message or "Deviceless cuDNN compilation" in message:
+        return (
+            ". On jaxlib >= 0.12 XLA compiles cuDNN calls (fused attention, block-scaled GEMMs) "
+            "only with a GPU driver present; compile in an environment on jax 0.10.2 with its "
+            f"plugin ({gpu_aot_install('0.10.2')}), or ask for "
+            'jax.nn.dot_product_attention(..., implementation="xla").'
+        )
+    return ""
 
 
 def resolve_target(target: str | None) -> Target:
@@ -53,7 +86,7 @@ def resolve_target(target: str | None) -> Target:
         raise RuntimeError(
             f"mpjax.report: target {target!r} needs the deviceless CUDA compiler, which this "
             f"environment cannot load ({type(err).__name__}: {str(err).splitlines()[0]}). "
-            f"Install it with: {GPU_AOT_INSTALL}."
+            f"Install it with: {gpu_aot_install()}."
         ) from err
     return Target(target, tuple(topology.devices), True)
 
