@@ -63,8 +63,8 @@ def compile_hint(message: str) -> str:
     if "deviceless cuDNN compilation" in message or "Deviceless cuDNN compilation" in message:
         return (
             ". On jaxlib >= 0.12 XLA compiles cuDNN calls (fused attention, block-scaled GEMMs) "
-            "only with a GPU driver present; compile in an environment on jax 0.10.2 with its "
-            f"plugin ({gpu_aot_install('0.10.2')}), or ask for "
+            "only with a GPU driver present. Compile in an environment on jax 0.10.2: "
+            f"{gpu_aot_install('0.10.2')}; or ask for "
             'jax.nn.dot_product_attention(..., implementation="xla").'
         )
     return ""
