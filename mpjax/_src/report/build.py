@@ -263,6 +263,11 @@ def report(fn, *args, target: str | None = None, memory_plan: Any = None, **kwar
     Returns:
       A `Report`; `print` it for the table, `.to_dict()` / `.to_markdown()` for logs.
 
+    Raises:
+      RuntimeError: `fn` does not compile for the target (naming `fn` and the cause; on a
+        deviceless target, the plugin wheels to install or, for a cuDNN call on jaxlib 0.12,
+        where it does compile: docs/guides/errors.md).
+
     Example:
       >>> import jax.numpy as jnp
       >>> import mpjax

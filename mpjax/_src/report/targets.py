@@ -60,7 +60,7 @@ def gpu_aot_install(jaxlib_version: str | None = None) -> str:
 
 def compile_hint(message: str) -> str:
     """What to do about a deviceless compile error `message`; "" when mpjax knows nothing."""
-    if "deviceless cuDNN compilation" in message or "Deviceless cuDNN compilation" in message:
+    if "deviceless cudnn compilation" in message.lower():
         return (
             ". On jaxlib >= 0.12 XLA compiles cuDNN calls (fused attention, block-scaled GEMMs) "
             "only with a GPU driver present. Compile in an environment on jax 0.10.2: "
