@@ -15,6 +15,7 @@ the digests of the step lowered as auto, native and emulated (`lowerings`).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import re
@@ -90,17 +91,33 @@ def lowered_step(target: Path, scaling: str, lowering: str = "native", placed: s
     return jax.jit(jax.value_and_grad(loss)).trace(params, tokens).lower()
 
 
+def runs(text: str, needle: str) -> int:
+    """How many times the StableHLO program `text` runs the lines holding `needle`: each
+    function's own, times the calls of that function (a jitted function's is one body that
+    every call site of the same shapes shares)."""
+    bodies = re.split(r"^\s*func\.func \w+ @", text, flags=re.M)[1:]
+    funcs = {body.split("(", 1)[0]: body for body in bodies}
+
+    @functools.cache
+    def count(name: str) -> int:
+        body = funcs[name]
+        calls = re.findall(r"(?<!\w)call @([\w.$-]+)\(", body)
+        return body.count(needle) + sum(count(callee) for callee in calls)
+
+    return count("main")
+
+
 def lowerings(target: Path, scaling: str, placed: str) -> dict:
     """SHA-256 of the StableHLO text of the step lowered with each `block_lowering`, and
-    (`kernels`) its blockwise GEMM kernels' custom calls: Mosaic GPU and Triton ones."""
+    (`kernels`) how many times it runs a blockwise GEMM kernel: Mosaic GPU and Triton ones."""
     out, kernels = {}, {}
     for lowering in ("auto", "native", "emulated"):
         text = lowered_step(target, scaling, lowering, placed).as_text()
         out[lowering] = hashlib.sha256(text.encode()).hexdigest()
         kernels[lowering] = {
-            "mosaic_gpu": len(re.findall(r"custom_call @mosaic_gpu", text)),
+            "mosaic_gpu": runs(text, "custom_call @mosaic_gpu"),
             # the Triton kernel's name, NUL-separated in its serialized module
-            "triton": text.count(f"\\00{BLOCKWISE}\\00"),
+            "triton": runs(text, f"\\00{BLOCKWISE}\\00"),
         }
     return {**out, "kernels": kernels}
 

@@ -116,6 +116,16 @@ def quantize_shapes(jaxpr, counts=None, inside=None):
     return counts
 
 
+def named_calls(jaxpr, name: str) -> int:
+    """How many times the equations named `name` run in a jaxpr: each call site of a
+    sub-jaxpr counted (a jitted function called twice is one shared jaxpr, two calls)."""
+    return sum(
+        (eqn.params.get("name") == name)
+        + sum(named_calls(sub, name) for sub in jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
 def bits(a):
     a = np.asarray(a)
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a

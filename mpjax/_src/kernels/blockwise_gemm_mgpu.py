@@ -42,6 +42,10 @@ try:  # Mosaic GPU's Pallas API; absent or partial in older JAX: the Triton kern
     # `load(ref, idx, layout=...)` in older JAX, `load(ref, layout=...)` in newer
     _LOAD_TAKES_IDX = KERNEL_AVAILABLE and "idx" in inspect.signature(plgpu.load).parameters
     INTERPRET_AVAILABLE = KERNEL_AVAILABLE and hasattr(plgpu, "InterpretGPUParams")
+    # `kernel(body, out_shape)` in jax 0.10.0 and 0.10.1, `kernel(body, out_type=...)` after
+    _OUT_TYPE = (
+        "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
+    )
 except ImportError:  # pragma: no cover - a JAX without Mosaic GPU
     KERNEL_AVAILABLE = INTERPRET_AVAILABLE = False
 
@@ -303,16 +307,25 @@ def mgpu_gemm(
         )
     (m, _), n = a.shape, b.shape[0]
     a, a_st, b, b_st = _padded(a, a_scales, b, b_scales, tiling)
+    out_dtype = jnp.dtype(out_dtype)
+    out = _padded_gemm(a, a_st, b, b_st, out_dtype, interpret, tiling, _num_sms())
+    return out[:m, :n] if out.shape != (m, n) else out
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _padded_gemm(a, a_st, b, b_st, out_dtype, interpret: bool, tiling: Tiling, sms: int):
+    """The kernel on whole tiles. A jit of its own: the GEMMs of one shape in a program (each
+    layer of a model, forward and backward) share one trace and one lowering of the kernel,
+    which is most of a step's tracing time (a Mosaic GPU lowering is ~0.3 s of Python)."""
     tiles = (a.shape[0] // tiling.tile_m) * (b.shape[0] // tiling.tile_n)
     call = plgpu.kernel(
         functools.partial(_kernel, tiling=tiling),
-        out_type=jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype),
-        grid=(max(1, min(_num_sms(), tiles)),),
+        **{_OUT_TYPE: jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype)},
+        grid=(max(1, min(sms, tiles)),),
         grid_names=("sm",),
         num_threads=tiling.num_consumers + 1,
         thread_name="wg",
         kernel_name=KERNEL_NAME,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = call(a, a_st, b, b_st)
-    return out[:m, :n] if out.shape != (m, n) else out
+    return call(a, a_st, b, b_st)
