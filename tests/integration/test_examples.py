@@ -1,6 +1,10 @@
 """The example training runs: every precision trains, policies are applied, faults are
 skipped, fp16 underflows without loss scaling, and (slow) mixed precision matches fp32."""
 
+import os
+import re
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -13,6 +17,7 @@ import pytest
 import mpjax
 from examples import common, train_char_lm, train_digits, underflow_demo
 
+ROOT = Path(__file__).resolve().parents[2]
 ALL_PRECISIONS = list(common.PRECISIONS)
 TINY_DIGITS = dict(steps=50, batch_size=64, width=16, num_blocks=1, learning_rate=2e-2)
 TINY_LM = dict(
@@ -333,13 +338,32 @@ def test_help_documents_every_flag(module, capsys):
 # --- slow: the claim itself --------------------------------------------------------------
 
 
+def _accuracy_table(out: str) -> dict:
+    """precision -> (mean test accuracy, seeds) of the table `train_digits.py` prints."""
+    rows = re.findall(r"^\| (\S+)\s+\| ([\d.]+) ± [\d.]+ \(n=(\d+)\)", out, flags=re.M)
+    return {p: (float(mean), int(n)) for p, mean, n in rows}
+
+
 @pytest.mark.slow
 def test_digits_mixed_precision_matches_fp32(tmp_path):
+    """The README's main job, run as its command runs it: a process of its own with JAX's
+    defaults (one CPU device, XLA's thread pool sized to the cores), not this session's eight
+    simulated devices and their oversized pool (that run took half as long again)."""
     png = tmp_path / "digits.png"
-    runs, _ = train_digits.run_experiment(("fp32", "bf16", "fp16"), 3, png=png, progress=False)
-    acc = {
-        p: np.mean([r.metric for r in runs if r.precision == p]) for p in ("fp32", "bf16", "fp16")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    proc = subprocess.run(
+        [sys.executable, "examples/train_digits.py", "--png", str(png), "--no-progress"],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = _accuracy_table(proc.stdout)
+    assert [(p, n) for p, (_, n) in table.items()] == [("fp32", 3), ("bf16", 3), ("fp16", 3)]
+    acc = {p: mean for p, (mean, _) in table.items()}
     assert acc["fp32"] > 97.0, acc
     assert abs(acc["bf16"] - acc["fp32"]) <= 0.5, acc
     assert abs(acc["fp16"] - acc["fp32"]) <= 0.5, acc
