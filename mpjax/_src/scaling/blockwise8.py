@@ -261,6 +261,12 @@ def quantize(
       >>> bool(jnp.allclose(dequantize(q, (2, 4), block_size=4), x, rtol=0.02))
       True
     """
+    if not isinstance(x, jax.core.Tracer):  # eagerly: one compile per shape, not one per op
+        return _quantize_jitted(x, block_size, seed)
+    return _quantize(x, block_size, seed)
+
+
+def _quantize(x: jax.Array, block_size: BlockSize, seed: jax.Array | None) -> Blockwise8:
     pieces, b = geometry(x.shape, block_size)
     spec = _straddled(x, pieces)
     blocks = _blocks(_gathered(x.astype(jnp.float32), spec), pieces, b)
@@ -272,6 +278,9 @@ def quantize(
     if spec is not None:  # the codes split as the array was
         codes = jax.sharding.reshard(codes, P(*spec))
     return Blockwise8(codes, scales[..., 0])
+
+
+_quantize_jitted = jax.jit(_quantize, static_argnums=1)
 
 
 def _values(codes: jax.Array) -> jax.Array:
@@ -306,11 +315,9 @@ def dequantize(q: Blockwise8, shape: tuple[int, ...], block_size: BlockSize = No
     """
     shape = tuple(shape)
     if tuple(q.scales.shape) == scales_shape(shape, block_size):
-        pieces, b = geometry(shape, block_size)
-        spec = _straddled(q.codes, pieces)
-        values = _values(_blocks(_gathered(q.codes, spec), pieces, b))
-        values = _unblock(values * _gathered(q.scales, spec)[..., None], shape, pieces)
-        return values if spec is None else jax.sharding.reshard(values, P(*spec))
+        if not isinstance(q.codes, jax.core.Tracer):  # eagerly: one compile per shape
+            return _dequantize_jitted(q, shape, block_size)
+        return _dequantize(q, shape, block_size)
     size = int(np.prod(shape, dtype=np.int64))
     if isinstance(block_size, int) and q.scales.shape == (-(-size // block_size),):
         return _dequantize_flat(q, shape, block_size)
@@ -319,6 +326,17 @@ def dequantize(q: Blockwise8, shape: tuple[int, ...], block_size: BlockSize = No
         f"{shape} in blocks of block_size={block_size!r} (expected "
         f"{scales_shape(shape, block_size)}): the state was written with another block_size"
     )
+
+
+def _dequantize(q: Blockwise8, shape: tuple[int, ...], block_size: BlockSize) -> jax.Array:
+    pieces, b = geometry(shape, block_size)
+    spec = _straddled(q.codes, pieces)
+    values = _values(_blocks(_gathered(q.codes, spec), pieces, b))
+    values = _unblock(values * _gathered(q.scales, spec)[..., None], shape, pieces)
+    return values if spec is None else jax.sharding.reshard(values, P(*spec))
+
+
+_dequantize_jitted = jax.jit(_dequantize, static_argnums=(1, 2))
 
 
 def _dequantize_flat(q: Blockwise8, shape: tuple[int, ...], block_size: int) -> jax.Array:
