@@ -159,3 +159,31 @@ def test_layout_is_the_same_under_explicit_and_auto_axes_and_eval_shape():
     assert state.inner_state[0].mu["w"].scales.shape == (384, 8)
     auto = jax.ShapeDtypeStruct((384, 1000), jnp.float32)  # no sharding: the same layout
     assert jax.eval_shape(tx.init, {"w": auto}).inner_state[0].mu["w"].scales.shape == (384, 8)
+
+
+EDGE_VALUES = {
+    "wide": np.random.default_rng(0).standard_normal((16, 700))
+    * np.exp2(np.random.default_rng(1).integers(-60, 60, (16, 700))),
+    "tiny": np.full((3, 5), 1e-38),
+    "non-finite": np.array([[1.0, -np.inf, np.nan, 2.0]]),
+    "size-0": np.zeros((0, 4)),
+    "scalar": np.array(3.5),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "seeded"), [(name, False) for name in sorted(EDGE_VALUES)] + [("wide", True)]
+)
+def test_eager_quantise_is_one_jit_with_the_bits_of_op_by_op(name, seeded):
+    """Called eagerly, `quantize` and `dequantize` run as one jit per shape: the codes, scales
+    and values of running them op by op (`jax.disable_jit`), bit for bit."""
+    from mpjax._src.scaling import blockwise8
+
+    x = jnp.asarray(EDGE_VALUES[name], jnp.float32)
+    seed = jnp.uint32(7) if seeded else None
+    with jax.disable_jit():  # the bodies op by op
+        want = blockwise8._quantize(x, None, seed)
+        want_values = blockwise8._dequantize(want, x.shape, None)
+    got = blockwise8.quantize(x, None, seed)
+    for a, b in [*zip(got, want, strict=True), (blockwise8.dequantize(got, x.shape), want_values)]:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
