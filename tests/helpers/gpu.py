@@ -25,7 +25,11 @@ def _gpu_aot_python() -> str:
 
 
 # XLA:CPU flags of the test session (tests/conftest.py) that a GPU compile does not take.
-CPU_ONLY_FLAGS = ("--xla_llvm_disable_expensive_passes", "--xla_cpu_parallel_codegen_split_count")
+CPU_ONLY_FLAGS = (
+    "--xla_llvm_disable_expensive_passes",
+    "--xla_cpu_parallel_codegen_split_count",
+    "--xla_backend_optimization_level",
+)
 
 
 def gpu_aot_env() -> dict:

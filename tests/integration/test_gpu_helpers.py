@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
 
 from tests.helpers import gpu
@@ -66,7 +67,7 @@ def test_gpu_aot_children_share_a_kernel_cache_per_worker_and_drop_cpu_only_flag
     monkeypatch.setenv(
         "XLA_FLAGS",
         "--xla_force_host_platform_device_count=8 --xla_llvm_disable_expensive_passes=true "
-        "--xla_cpu_parallel_codegen_split_count=1",
+        "--xla_cpu_parallel_codegen_split_count=1 --xla_backend_optimization_level=1",
     )
     flags = gpu.gpu_aot_env()["XLA_FLAGS"].split()
     assert flags == [
@@ -77,7 +78,10 @@ def test_gpu_aot_children_share_a_kernel_cache_per_worker_and_drop_cpu_only_flag
     assert gpu.gpu_aot_env()["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
-def test_the_test_session_compiles_xla_cpu_in_one_module_without_expensive_llvm_passes():
+def test_the_session_compiles_xla_cpu_cheaply_and_caches_every_compile():
+    """One LLVM module, LLVM level 1 without its expensive passes (tests/conftest.py)."""
     flags = os.environ["XLA_FLAGS"].split()
     assert "--xla_llvm_disable_expensive_passes=true" in flags
     assert "--xla_cpu_parallel_codegen_split_count=1" in flags
+    assert "--xla_backend_optimization_level=1" in flags
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
