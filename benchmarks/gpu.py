@@ -27,9 +27,10 @@ took in the results file's last run, else the median of the measured cases of it
 size (pessimistic: every program compiled cold), else `UNMEASURED_CASE_S`; plus
 `STARTUP_S` for the process. Without a GPU every case is skipped.
 
-`kernels_gpu` (the `kernels-gpu` case): mpjax's Pallas kernels against XLA and a
-device-to-device copy, and a ResNet-50 train step of `ConvBN` with and without them; without
-a GPU, tiny shapes in Pallas interpret mode (a check that the case runs, not a measurement).
+`kernels_gpu` (the `kernels-gpu` case): mpjax's Pallas kernels (the fused block quantiser
+among them) against XLA and a device-to-device copy, and a ResNet-50 train step of `ConvBN`
+with and without them; without a GPU, tiny shapes in Pallas interpret mode (a check that the
+case runs, not a measurement).
 """
 
 from __future__ import annotations
@@ -250,6 +251,7 @@ def kernels_gpu(case=None, quick: bool = False, smoke: bool = False) -> dict:
     import mpjax
     from benchmarks.common import interleaved_times, table
     from benchmarks.train_models import ConvBNResNet
+    from mpjax.fp8 import quantize_orientations
     from mpjax.pallas import channel_stats, conv_epilogue, unscale_and_check
 
     on_gpu = jax.default_backend() == "gpu"
@@ -296,6 +298,17 @@ def kernels_gpu(case=None, quick: bool = False, smoke: bool = False) -> dict:
         suffix = " +res relu" if name.startswith("conv") else ""
         case_name = f"{name} bf16{list(shape)}{suffix}"
         rows += _kernel_rows(case_name, timed(fns, args), moved * y.nbytes, copy_gbs)
+    # The fused block quantiser (`quantize_orientations`: both copies of a tensor from one
+    # read) against XLA's reference, on a wide-LM activation [tokens, d], bfloat16. It moves
+    # x once and two 8-bit copies (scales: under 4 %); XLA's reference moved 20x x's bytes
+    # for blockwise and 12.5x for MXFP8 in the deviceless H100 program, jaxlib 0.12.1.
+    shape = (256, 256) if small else (8192, 4096)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    for scaling in ("blockwise", "mxfp8"):
+        quantise = functools.partial(quantize_orientations, recipe=scaling)
+        fns = {i: jax.jit(functools.partial(quantise, impl=i)) for i in impls}
+        case_name = f"quantize_orientations {scaling} bf16{list(shape)}"
+        rows += _kernel_rows(case_name, timed(fns, (x,)), x.nbytes + 2 * x.size, copy_gbs)
     # ResNet-50 train steps: f32 / bf16, with ("auto") and without ("xla") the kernels.
     batch, size, classes = (2, 16, 10) if small else (64, 224, 1000)
     rng = np.random.default_rng(1)

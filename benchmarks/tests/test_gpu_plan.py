@@ -135,3 +135,27 @@ def test_calibrate_fits_the_rows_a_run_wrote():
         assert f["model_unmeasured"] == []
     native = table["lowerings"]["hopper"]["blockwise"]["native"]
     assert native["ratio"] == pytest.approx(t(block) / t(bf16), abs=1e-4)
+
+
+def test_kernels_case_smoke_runs_every_kernel_beside_its_xla_reference():
+    """The plan's last case, without a GPU: tiny shapes, the kernels in interpret mode.
+
+    A check that the prepared run will not stop at this case (its code runs nowhere else
+    without a GPU), with each kernel timed beside XLA's implementation of the same op."""
+    out = gpu.kernels_gpu(smoke=True)
+    assert out["notes"].startswith("SMOKE RUN, NOT A MEASUREMENT")
+    impls: dict[str, list[str]] = {}
+    for row in out["rows"]:
+        case = re.sub(r" bf16\[.*| f32\[.*| \d+ bf16.*|, \d+x.*", "", row[0])
+        impls.setdefault(case, []).append(row[1])
+        assert row[2] > 0, row  # ms median
+    assert impls == {
+        "copy": ["copy"],
+        "unscale_and_check": ["interpret", "xla"],
+        "conv_epilogue fwd": ["interpret", "xla"],
+        "conv_epilogue bwd": ["interpret", "xla"],
+        "channel_stats": ["interpret", "xla"],
+        "quantize_orientations blockwise": ["interpret", "xla"],
+        "quantize_orientations mxfp8": ["interpret", "xla"],
+        "ResNet (2 stages of 1 block) train step bf16": ["interpret", "xla"],
+    }
