@@ -64,6 +64,8 @@ def test_kernel_spills_nothing(kernel):
 
 
 def test_native_blockwise_takes_the_mosaic_kernel_on_hopper_only(compiled):
-    # forward, input and weight gradient of one dense layer; a B200 has no wgmma: Triton
+    # forward, input and weight gradient of one dense layer; a B200 has no wgmma: the Triton
+    # kernel, or XLA's reference on a jax that deprecates Triton (the compiling jax's version)
+    triton = 0 if tuple(map(int, compiled["jax"].split(".")[:2])) >= (0, 11) else 3
     assert compiled["routing"]["h100"] == {"mosaic_gpu": 3, "triton": 0}, compiled["routing"]
-    assert compiled["routing"]["b200"] == {"mosaic_gpu": 0, "triton": 3}, compiled["routing"]
+    assert compiled["routing"]["b200"] == {"mosaic_gpu": 0, "triton": triton}, compiled["routing"]
