@@ -54,6 +54,25 @@ def test_records_ops_dtypes_and_bytes():
     assert [c.name for c in collectives(HLO)] == ["ags", "rs", "ars", "ars", "cp"]
 
 
+def test_async_all_reduce_counts_its_results_in_either_form():
+    """jaxlib 0.12's all-reduce-start gives ((operands...), results...), 0.10's the results:
+    each array reduced is one record either way (0.12's form was counted twice)."""
+    new = HLO.replace(
+        "%ars = (f32[], f32[8]{0}) all-reduce-start(%r, %rs)",
+        "%ars = ((f32[], f32[8]{0}), f32[], f32[8]{0}) all-reduce-start(%r, %rs)",
+    )
+    assert new != HLO
+    assert collectives(new) == collectives(HLO)
+    single = HLO.replace(
+        "%ars = (f32[], f32[8]{0}) all-reduce-start(%r, %rs)",
+        "%ars = ((f32[8]{0}), f32[8]{0}) all-reduce-start(%rs)",
+    ).replace(
+        "%ard = (f32[], f32[8]{0}) all-reduce-done(%ars)", "%ard = f32[8]{0} all-reduce-done(%ars)"
+    )
+    reduced = [c for c in collectives(single) if c.op == "all-reduce"]
+    assert [(c.dtype, c.shape, c.bytes) for c in reduced] == [("f32", (8,), 32)]
+
+
 def test_summary_and_ring_time():
     records = collectives(HLO)
     assert summary(records)["all-reduce f32"] == {"count": 2, "bytes": 36}

@@ -110,6 +110,9 @@ def _arrays(op: str, opcode: str, instr, comp: dict) -> list:
     if opcode.endswith("-start") and op in ("all-gather", "collective-permute"):
         # (operands..., results...) tuples: keep the results (the second half).
         shapes = shapes[len(shapes) // 2 :] if op == "all-gather" else shapes[:1]
+    if opcode == "all-reduce-start" and len(shapes) == 2 * len(instr.operands):
+        # jaxlib >= 0.12 writes ((operands...), results...) where 0.10 wrote the results only
+        shapes = shapes[len(shapes) // 2 :]
     if op == "reduce-scatter":
         operands = [comp[o].shapes for o in instr.operands if o in comp]
         if operands:
