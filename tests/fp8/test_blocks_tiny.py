@@ -136,3 +136,21 @@ def test_tiny_forward_and_gradients_are_finite_and_match_float64(scaling):
             errors[factor, name] = np.linalg.norm(got - want) / np.linalg.norm(want)
     for name in ("row", "dx", "dw"):  # tiny magnitudes lose no more than unit ones
         assert errors[1e-37, name] <= 1.5 * errors[1.0, name] + 1e-3, (name, errors)
+
+
+def test_nvfp4_block_whose_ratio_overflows_gets_x_times_t_over_s():
+    """A tiny block next to a 1e-35 one: the tensor scale is 2**125 (its cap), the block scale
+    about 0.1, and `t / s` overflows float32. Its elements are then `(x * t) / s` rounded to
+    E2M1 (4 or 6 here: the block's normal values span 1.2e-38..1.7e-38), as in float64, not
+    `x * inf` (all 6)."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 1e-35
+    x[0, 16:] = np.linspace(1.2e-38, 1.7e-38, 16, dtype=np.float32) * np.resize([1, -1], 16)
+    for fn in (quantize_blocks, jax.jit(quantize_blocks, static_argnums=1)):
+        bq = fn(x, "nvfp4")
+        t, s = float(bq.tensor_scale), float(np.asarray(bq.scales, np.float64)[0, 1])
+        assert t == 2.0**125 and np.isinf(np.float32(t) / np.float32(s))
+        want = np.clip(x[0, 16:].astype(np.float64) * t / s, -6, 6).astype(E2M1)
+        got = np.asarray(bq.data)[0, 16:]
+        np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
+        assert set(np.abs(got.astype(np.float64))) == {4.0, 6.0}

@@ -151,6 +151,27 @@ def _magnitude(xf: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(a), jnp.inf, a)
 
 
+_BITS = {np.dtype(jnp.float32): jnp.int32, np.dtype(jnp.bfloat16): jnp.int16,
+         np.dtype(jnp.float16): jnp.int16}  # fmt: skip
+
+
+def _block_amax(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
+    """The float32 amax of each block of `x` (`_magnitude`'s: NaN as inf), for XLA.
+
+    Read in `x`'s own dtype (the max of a bfloat16 or float16 `|x|` is exact) and without a
+    compare: `|x|` is `x`'s bits with the sign cleared, capped at inf's bits (a NaN's bits are
+    above them). With `_magnitude`'s `isnan` (and one float32 `|x|` for every block shape),
+    XLA:GPU wrote the NaN mask and the float32 `|x|` out to memory and read them back for
+    each orientation: 4x the bytes of `x` more per quantisation."""
+    if x.dtype not in _BITS:
+        return _reduce_blocks(_magnitude(x.astype(_F32)), block)
+    bits = _BITS[x.dtype]
+    inf = jax.lax.bitcast_convert_type(jnp.asarray(np.inf, x.dtype), bits)
+    sign_cleared = jax.lax.bitcast_convert_type(x, bits) & jnp.iinfo(bits).max
+    magnitude = jnp.minimum(sign_cleared, inf)
+    return _reduce_blocks(jax.lax.bitcast_convert_type(magnitude, x.dtype), block).astype(_F32)
+
+
 def _reduce_blocks(x: jax.Array, block: tuple[int, ...]) -> jax.Array:
     """Max over each block of `x` (zero-padded to whole blocks): the blocks' amax."""
     pad = [(0, -n % b) for n, b in zip(x.shape, block, strict=True)]
@@ -217,9 +238,11 @@ def _quantize_blockwise(xf, amax_b, block, power_of_two):
         scales = jnp.maximum(divide_by(amax_b, _E4M3_MAX), _F32(_TINY))
     scales = jnp.where(amax_b == 0, _F32(1.0), scales)
     scales = jnp.where(bad, jnp.nan, scales).astype(_F32)
-    # x / s correctly rounded: XLA multiplies by the reciprocal of a broadcast divisor, an ulp
-    # off that moves exact e4m3 ties (x = 0.75 amax: 336, between 320 and 352) to the odd side
-    q = xf / jax.lax.optimization_barrier(_expand_blocks(scales, block, xf.shape))
+    # x / s correctly rounded: XLA:CPU (jaxlib 0.10.2) multiplies by the reciprocal of a
+    # broadcast divisor, an ulp off that moves exact e4m3 ties (x = 0.75 amax: 336, between 320
+    # and 352) to the odd side. `+ x * 0` (0, or NaN in a NaN-scaled block) makes the divisor
+    # no broadcast, fused (an optimization barrier wrote it out: 2x the bytes of a float32 x)
+    q = xf / (_expand_blocks(scales, block, xf.shape) + xf * 0)
     data = jnp.clip(q, -_E4M3_MAX, _E4M3_MAX).astype(jnp.float8_e4m3fn)
     return data, scales, None
 
@@ -271,7 +294,7 @@ def nvfp4_tensor_scale(amax_t: jax.Array) -> jax.Array:
 
 
 def _quantize_nvfp4(xf, amax_b, block, uniform):
-    tensor_scale = nvfp4_tensor_scale(jnp.max(_magnitude(xf), initial=0.0))  # 0: size 0
+    tensor_scale = nvfp4_tensor_scale(jnp.max(amax_b, initial=0.0))  # 0: size 0
     # the spec's amax / 6 * t, unless amax / 6 would flush to zero (amax below ~7e-38)
     decode = jnp.where(
         amax_b < _F32(_E2M1_MAX * _TINY),
@@ -279,10 +302,15 @@ def _quantize_nvfp4(xf, amax_b, block, uniform):
         divide_by(amax_b, _E2M1_MAX) * tensor_scale,
     )
     scales = jnp.minimum(decode, _F32(_E4M3_MAX)).astype(jnp.float8_e4m3fn)
-    block_scale = _expand_blocks(scales.astype(_F32), block, xf.shape)
-    ratio = tensor_scale / block_scale  # overflows for a huge t over a small block scale
-    v = jnp.where(jnp.isinf(ratio), xf * tensor_scale / block_scale, xf * ratio)
-    v = jnp.where(block_scale == 0, 0.0, jnp.clip(v, -_E2M1_MAX, _E2M1_MAX))
+    s = scales.astype(_F32)
+    ratio = tensor_scale / s
+    huge = jnp.isinf(ratio)  # a huge t over a tiny s: then (x * t) / s
+    # x * ratio / 1 or x * t / s, per block: one expression XLA fuses into a single pass
+    # (with a select of the two, it wrote both out in float32); `+ x * 0`: `_quantize_blockwise`
+    times = _expand_blocks(jnp.where(huge, tensor_scale, ratio), block, xf.shape)
+    over = _expand_blocks(jnp.where(huge, s, 1.0), block, xf.shape)
+    v = xf * times / (over + xf * 0)
+    v = jnp.where(_expand_blocks(s, block, xf.shape) == 0, 0.0, jnp.clip(v, -_E2M1_MAX, _E2M1_MAX))
     return _round_e2m1(v, uniform), scales, tensor_scale
 
 
@@ -357,7 +385,7 @@ def quantize_with_blocks(
     if x.dtype != _F32:  # the stored input: under jit XLA may keep a bfloat16 producer's
         x = jax.lax.optimization_barrier(x)  # float32 result (excess precision), not eagerly
     xf = x.astype(_F32)
-    amax_b = _reduce_blocks(_magnitude(xf), block)
+    amax_b = _block_amax(x, block)
     if scaling == "mxfp8":
         parts = _quantize_mxfp8(xf, amax_b, block)
     elif scaling == "blockwise":
@@ -387,8 +415,9 @@ def dequantize_blocks(bq: BlockQuantized, dtype: Any = _F32) -> jax.Array:
     else:
         out = data * _expand_blocks(bq.scales.astype(_F32), bq.block, bq.data.shape)
     if bq.tensor_scale is not None:
-        # a correctly rounded division (not the reciprocal XLA multiplies by in some programs)
-        out = out / jax.lax.optimization_barrier(jnp.broadcast_to(bq.tensor_scale, out.shape))
+        # correctly rounded: `+ out * 0` keeps XLA from multiplying by the reciprocal of a
+        # broadcast divisor (see `_quantize_blockwise`), fused, where a barrier wrote it out
+        out = out / (bq.tensor_scale + out * 0)
     return out.astype(np.dtype(dtype))
 
 
